@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class ShopConfig(AppConfig):
+    default_auto_field = "django.db.models.BigAutoField"
+    name = "shop"
+    verbose_name = "Shop (demo)"
