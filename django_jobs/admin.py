@@ -1,0 +1,66 @@
+"""Admin: failed jobs kept for audit, readable, retryable."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.utils.html import format_html
+
+from . import operations
+from .models import Job
+
+
+@admin.register(Job)
+class JobAdmin(admin.ModelAdmin):
+    list_display = ("id", "label", "queue", "status", "runs", "available_at", "finished_at", "backend")
+    list_filter = ("status", "queue", "handler", "backend")
+    search_fields = ("id", "name", "handler", "idempotency_key", "last_error")
+    date_hierarchy = "created_at"
+    actions = ["retry"]
+    fieldsets = (
+        (None, {"fields": ("id", "name", "handler", "queue", "backend", "status")}),
+        ("Attempts", {"fields": ("attempts", "max_retries", "last_error_display")}),
+        ("Payload", {"fields": ("payload_display", "options", "idempotency_key")}),
+        ("Timing", {"fields": ("priority", "timeout", "available_at", "leased_until", "created_at",
+                               "updated_at", "finished_at")}),
+    )
+
+    @admin.display(description="job", ordering="name")
+    def label(self, obj: Job) -> str:
+        return obj.name or obj.handler
+
+    @admin.display(description="runs", ordering="attempts")
+    def runs(self, obj: Job) -> str:
+        return f"{obj.attempts} / {obj.max_retries + 1}"
+
+    @admin.display(description="last error")
+    def last_error_display(self, obj: Job) -> str:
+        return format_html('<pre style="white-space: pre-wrap">{}</pre>', obj.last_error or "—")
+
+    @admin.display(description="payload")
+    def payload_display(self, obj: Job) -> str:
+        return format_html("<pre>{}</pre>", json.dumps(obj.payload, indent=2, ensure_ascii=False))
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Job | None = None) -> list[str]:
+        return [f.name for f in Job._meta.fields] + ["last_error_display", "payload_display"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # jobs are read-only records; the "retry" action is the way to change one
+
+    @admin.action(description="Retry selected failed jobs", permissions=["retry"])
+    def retry(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        count = operations.retry_jobs(queryset)
+        skipped = queryset.count() - count if count < queryset.count() else 0
+        self.message_user(request, f"Requeued {count} job(s).", messages.SUCCESS)
+        if skipped:
+            self.message_user(request, f"{skipped} selected job(s) were not failed and were left alone.", messages.WARNING)
+
+    def has_retry_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("django_jobs.change_job")

@@ -1,0 +1,242 @@
+"""Defining and dispatching jobs: ``Jobs.define(...)`` builders and the ``@job`` decorator."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta
+from typing import Any, Generic, ParamSpec, TypeVar
+
+from django.utils import timezone
+
+from . import conf, registry, signing
+from .backends import get_backend
+from .backends.base import QueueBackend
+from .envelope import Envelope, dumps_payload, new_id
+from .exceptions import InvalidPayload, UnknownQueue
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+OPTION_NAMES = ("queue", "priority", "max_retries", "timeout", "delay", "scheduled_at",
+                "idempotency_key", "name", "backend", "backoff", "retry_on", "single_instance")
+
+
+class JobBuilder:
+    """A job being defined: chain options, then ``dispatch()``. Immutable steps are not needed:
+    a builder is cheap, build a new one per job."""
+
+    def __init__(self, handler: str, payload: Any = None) -> None:
+        self._handler = handler
+        self._payload = payload
+        self._opts: dict[str, Any] = {}
+
+    def _set(self, **values: Any) -> JobBuilder:
+        self._opts.update(values)
+        return self
+
+    def queue(self, name: str) -> JobBuilder:
+        return self._set(queue=name)
+
+    def priority(self, value: int) -> JobBuilder:
+        """Higher runs sooner (default 0)."""
+        return self._set(priority=int(value))
+
+    def max_retries(self, value: int) -> JobBuilder:
+        """Retries after the first run: total runs = ``value + 1``."""
+        if value < 0:
+            raise ValueError("max_retries must not be negative")
+        return self._set(max_retries=int(value))
+
+    def timeout(self, seconds: float | None) -> JobBuilder:
+        """Seconds one attempt may run."""
+        return self._set(timeout=seconds)
+
+    def delay(self, seconds: float | timedelta) -> JobBuilder:
+        """Run no sooner than ``seconds`` from dispatch."""
+        return self._set(delay=seconds)
+
+    def scheduled_at(self, when: datetime) -> JobBuilder:
+        """Run no sooner than ``when`` (an aware datetime)."""
+        if timezone.is_naive(when):
+            raise ValueError("scheduled_at needs an aware datetime")
+        return self._set(scheduled_at=when)
+
+    def idempotency_key(self, key: str) -> JobBuilder:
+        """Once a run with this key succeeds, later deliveries with it are skipped."""
+        return self._set(idempotency_key=key)
+
+    def named(self, name: str) -> JobBuilder:
+        return self._set(name=name)
+
+    def backoff(self, **policy: Any) -> JobBuilder:
+        """This job's own retry policy: ``strategy``, ``base``, ``multiplier``, ``max``, ``jitter``."""
+        from .retry import RetryPolicy
+
+        RetryPolicy.from_settings(**policy)  # validate now, not in the worker
+        return self._set(backoff=policy)
+
+    def retry_on(self, *exceptions: type[BaseException] | str) -> JobBuilder:
+        """Retry only when the error is one of these exception classes (or a subclass)."""
+        names = [e if isinstance(e, str) else f"{e.__module__}.{e.__qualname__}" for e in exceptions]
+        return self._set(retry_on=names)
+
+    def single_instance(self, enabled: bool = True) -> JobBuilder:
+        """Never run two jobs of this handler at once; a second delivery waits."""
+        return self._set(single_instance=enabled)
+
+    def options(self, **values: Any) -> JobBuilder:
+        """Set several options by keyword (``queue=``, ``priority=``, ... as in ``using()``)."""
+        unknown = set(values) - set(OPTION_NAMES)
+        if unknown:
+            raise TypeError(f"unknown job option(s): {', '.join(sorted(unknown))}")
+        for key, value in values.items():
+            if key == "retry_on":
+                self.retry_on(*value)
+            elif key == "backoff":
+                self.backoff(**value)
+            elif key == "scheduled_at":
+                self.scheduled_at(value)
+            elif key == "max_retries":
+                self.max_retries(value)
+            elif value is not None or key in ("timeout",):
+                self._opts[key] = value
+        return self
+
+    def build(self) -> Envelope:
+        """The signed envelope this builder describes."""
+        opts = self._opts
+        queue = opts.get("queue") or conf.default_queue()
+        if queue not in conf.queues():
+            raise UnknownQueue(f"queue {queue!r} is not in JOBS['QUEUES'] ({', '.join(conf.queues())})")
+        size = len(dumps_payload(self._payload))
+        if size > conf.get("MAX_MESSAGE_BYTES"):
+            raise InvalidPayload(f"payload of {size} bytes exceeds JOBS['MAX_MESSAGE_BYTES']")
+        options = {k: opts[k] for k in ("backoff", "retry_on", "single_instance") if opts.get(k)}
+        env = Envelope(
+            id=new_id(),
+            handler=self._handler,
+            payload=self._payload,
+            queue=queue,
+            priority=opts.get("priority", 0),
+            max_retries=opts.get("max_retries", conf.get("DEFAULT_MAX_RETRIES")),
+            name=opts.get("name", ""),
+            idempotency_key=opts.get("idempotency_key"),
+            timeout=opts.get("timeout", conf.get("DEFAULT_TIMEOUT")),
+            available_at=_available_at(opts),
+            options=options,
+        )
+        env.signature = signing.sign(env)
+        return env
+
+    @property
+    def backend_name(self) -> str | None:
+        return self._opts.get("backend")
+
+    def dispatch(self, backend: str | None = None) -> str:
+        """Enqueue the job and return its id (after commit for non-database backends)."""
+        env = self.build()
+        get_backend(backend or self.backend_name).submit([env])
+        return env.id
+
+
+def _available_at(opts: dict[str, Any]) -> datetime | None:
+    if opts.get("scheduled_at") is not None:
+        return opts["scheduled_at"]
+    delay = opts.get("delay")
+    if delay is None:
+        return None
+    seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+    if seconds < 0:
+        raise ValueError("delay must not be negative")
+    return timezone.now() + timedelta(seconds=seconds)
+
+
+class Jobs:
+    """Entry points: ``Jobs.define(handler, payload)``, ``Jobs.bulk(...)``, ``Jobs.backend()``."""
+
+    @staticmethod
+    def define(handler: str, payload: Any = None) -> JobBuilder:
+        """Start defining a job for ``handler`` (a ``JOBS["HANDLERS"]`` key or ``@job`` path)."""
+        return JobBuilder(handler, payload)
+
+    @staticmethod
+    def bulk(jobs: Iterable[JobBuilder], backend: str | None = None) -> list[str]:
+        """Dispatch many jobs at once (one INSERT on the database backend); returns their ids.
+
+        Every job goes to ``backend`` (default: the default backend); per-builder backends
+        are ignored so a batch stays one round trip.
+        """
+        envelopes = [builder.build() for builder in jobs]
+        if envelopes:
+            get_backend(backend).submit(envelopes)
+        return [e.id for e in envelopes]
+
+    @staticmethod
+    def backend(name: str | None = None) -> QueueBackend:
+        """The configured backend instance (the default one when ``name`` is ``None``)."""
+        return get_backend(name)
+
+
+class JobFunction(Generic[P, R]):
+    """A function registered by ``@job``: still callable directly, plus ``dispatch()``."""
+
+    def __init__(self, func: Callable[P, R], options: dict[str, Any]) -> None:
+        functools.update_wrapper(self, func)
+        self.func = func
+        self.key = f"{func.__module__}.{func.__qualname__}"
+        self.defaults = options
+        registry.register(self.key, self)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.func(*args, **kwargs)
+
+    def handle(self, context: Any) -> Any:
+        payload = context.payload
+        if not isinstance(payload, dict) or not isinstance(payload.get("args", []), list) \
+                or not isinstance(payload.get("kwargs", {}), dict):
+            raise InvalidPayload("a @job payload must be {'args': [...], 'kwargs': {...}}")
+        return self.func(*payload.get("args", []), **payload.get("kwargs", {}))
+
+    def using(self, **options: Any) -> BoundJob[P, R]:
+        """Override options for one dispatch: ``queue``, ``priority``, ``max_retries``,
+        ``timeout``, ``delay``, ``scheduled_at``, ``idempotency_key``, ``name``, ``backend``."""
+        return BoundJob(self, {**self.defaults, **options})
+
+    def build(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
+        return self.using().build(*args, **kwargs)
+
+    def dispatch(self, *args: P.args, **kwargs: P.kwargs) -> str:
+        """Enqueue a call; returns the job id."""
+        return self.using().dispatch(*args, **kwargs)
+
+
+class BoundJob(Generic[P, R]):
+    """A ``@job`` function with per-dispatch options (from ``using()``)."""
+
+    def __init__(self, function: JobFunction[P, R], options: dict[str, Any]) -> None:
+        self.function, self.options = function, options
+
+    def build(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
+        """A builder for this call, e.g. for ``Jobs.bulk``."""
+        builder = JobBuilder(self.function.key, {"args": list(args), "kwargs": kwargs})
+        return builder.options(**{"name": self.function.key, **self.options})
+
+    def dispatch(self, *args: P.args, **kwargs: P.kwargs) -> str:
+        return self.build(*args, **kwargs).dispatch()
+
+
+def job(func: Callable[P, R] | None = None, **options: Any) -> Any:
+    """Register a function as a job handler (under its dotted path). Bare ``@job`` works too.
+
+    Options are the builder's: ``queue``, ``priority``, ``max_retries``, ``timeout``,
+    ``backoff`` (dict), ``retry_on`` (exception classes), ``single_instance``, ``backend``, ``name``.
+    """
+    unknown = set(options) - set(OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"unknown @job option(s): {', '.join(sorted(unknown))}")
+
+    def wrap(f: Callable[P, R]) -> JobFunction[P, R]:
+        return JobFunction(f, options)
+
+    return wrap(func) if func is not None else wrap

@@ -1,0 +1,79 @@
+"""Configured backends by name: ``JOBS["BACKENDS"]``, built once per process."""
+
+from __future__ import annotations
+
+import threading
+from importlib import import_module
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+from django.utils.module_loading import import_string
+
+from .. import conf
+from .base import QueueBackend
+
+ENGINES = {
+    "database": "django_jobs.backends.database.DatabaseBackend",
+    "redis": "django_jobs.backends.redis.RedisBackend",
+    "beanstalk": "django_jobs.backends.beanstalk.BeanstalkBackend",
+    "servicebus": "django_jobs.backends.servicebus.ServiceBusBackend",
+    "sync": "django_jobs.backends.sync.SyncBackend",
+}
+
+_instances: dict[str, QueueBackend] = {}
+_lock = threading.Lock()
+
+
+def require(module: str, extra: str) -> Any:
+    """Import an optional dependency, or say which extra installs it."""
+    try:
+        return import_module(module)
+    except ImportError as exc:
+        raise ImproperlyConfigured(
+            f"this backend needs {module!r}: pip install 'django-jobs[{extra}]'"
+        ) from exc
+
+
+def backend_config(name: str) -> dict[str, Any]:
+    backends = conf.get("BACKENDS") or {}
+    if name not in backends:
+        raise ImproperlyConfigured(f"no backend named {name!r} in JOBS['BACKENDS'] (known: {', '.join(backends)})")
+    return backends[name]
+
+
+def engine_class(engine: str) -> type[QueueBackend]:
+    path = ENGINES.get(engine, engine)
+    if "." not in path:
+        raise ImproperlyConfigured(f"unknown backend ENGINE {engine!r}; use one of {', '.join(ENGINES)} or a dotted path")
+    return import_string(path)
+
+
+def get_backend(name: str | None = None) -> QueueBackend:
+    """The backend instance configured as ``name`` (the default backend when ``None``)."""
+    name = name or conf.get("DEFAULT_BACKEND")
+    backend = _instances.get(name)
+    if backend is None:
+        with _lock:
+            backend = _instances.get(name)
+            if backend is None:
+                config = backend_config(name)
+                backend = engine_class(config.get("ENGINE", "database"))(name, dict(config.get("OPTIONS") or {}))
+                _instances[name] = backend
+    return backend
+
+
+def reset() -> None:
+    """Forget built backends (after fork, or when JOBS changes), closing their connections."""
+    with _lock:
+        for backend in _instances.values():
+            backend.close()
+        _instances.clear()
+
+
+def _on_setting_changed(setting: str, **kwargs: Any) -> None:
+    if setting == "JOBS":
+        reset()
+
+
+setting_changed.connect(_on_setting_changed)

@@ -1,0 +1,241 @@
+"""The database backend: ``Job`` rows claimed with one statement, settled with one more.
+
+PostgreSQL claims with ``UPDATE … WHERE id = (SELECT … FOR UPDATE SKIP LOCKED) RETURNING``;
+SQLite runs the same statement without the locking clause, which is race-free because SQLite
+serialises writers. Other databases claim inside a transaction with the ORM's
+``select_for_update(skip_locked=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db.models import Count, Q
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
+from .. import conf
+from ..envelope import Envelope
+from ..exceptions import InvalidPayload, LeaseLost, WorkerLost
+from ..models import Job, JobStatus
+from ..retry import lost_run_delay
+from .base import Lease, QueueBackend
+
+TABLE = Job._meta.db_table
+RETURNED = (
+    "id, handler, {payload}, {options}, signature, name, attempts, max_retries, "
+    "priority, available_at, timeout, idempotency_key"
+)
+
+
+def _dt(value: Any) -> datetime | None:
+    """A datetime column from a raw cursor (SQLite hands back strings)."""
+    if isinstance(value, str):
+        value = parse_datetime(value)
+    if value is not None and timezone.is_naive(value):
+        value = timezone.make_aware(value, dt_timezone.utc)
+    return value
+
+
+def _row_fields(row: tuple[Any, ...], queue: str) -> dict[str, Any]:
+    """Envelope fields of a claimed row, treating every column as untrusted."""
+    (job_id, handler, payload, options, signature, name, attempts, max_retries,
+     priority, available_at, timeout, idempotency_key) = row
+    limit = conf.get("MAX_MESSAGE_BYTES")
+    try:
+        if len(payload) + len(options) > limit:
+            raise InvalidPayload(f"row of {len(payload)} payload bytes exceeds the {limit}-byte cap")
+        data = {
+            "id": job_id, "handler": handler, "payload": json.loads(payload), "options": json.loads(options),
+            "signature": signature, "name": name, "attempts": attempts, "max_retries": max_retries,
+            "priority": priority, "timeout": timeout, "idempotency_key": idempotency_key,
+            "queue": queue,
+        }
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidPayload(f"job {job_id!r} has an undecodable payload: {exc}") from exc
+    data["available_at"] = _dt(available_at)
+    return data
+
+
+class DatabaseBackend(QueueBackend):
+    """Jobs as rows of ``django_jobs_job`` in the database ``OPTIONS["DATABASE"]``."""
+
+    supports_priority = True
+    transactional = True
+
+    def __init__(self, name: str, options: dict[str, Any]) -> None:
+        super().__init__(name, options)
+        self.alias = options.get("DATABASE", DEFAULT_DB_ALIAS)
+
+    # -- helpers --
+
+    @property
+    def _conn(self) -> Any:
+        return connections[self.alias]
+
+    def _adapt(self, value: datetime) -> Any:
+        return self._conn.ops.adapt_datetimefield_value(value)
+
+    def _execute(self, sql: str, params: list[Any]) -> tuple[int, Any]:
+        with self._conn.cursor() as cursor:
+            cursor.execute(sql, params)
+            return cursor.rowcount, (cursor.fetchone() if cursor.description else None)
+
+    def _settle(self, lease: Lease, assignments: str, params: list[Any]) -> None:
+        """One fenced UPDATE: touches the row only while this lease still owns it."""
+        now = timezone.now()
+        sql = (
+            f"UPDATE {TABLE} SET {assignments}, owner_token = NULL, leased_until = NULL, updated_at = %s "
+            f"WHERE id = %s AND owner_token = %s AND status = 'in_progress'"
+        )
+        count, _ = self._execute(sql, [*params, self._adapt(now), lease.token, lease.owner_token])
+        if count != 1:
+            raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
+
+    def _row(self, envelope: Envelope, now: datetime) -> Job:
+        return Job(
+            id=envelope.id, queue=envelope.queue, handler=envelope.handler, payload=envelope.payload,
+            options=envelope.options, signature=envelope.signature, name=envelope.name,
+            attempts=envelope.attempts, max_retries=envelope.max_retries, priority=envelope.priority,
+            available_at=envelope.available_at or now, timeout=envelope.timeout,
+            idempotency_key=envelope.idempotency_key, created_at=now, updated_at=now, backend=self.name,
+        )
+
+    # -- protocol --
+
+    def enqueue(self, envelope: Envelope) -> str:
+        self._row(envelope, timezone.now()).save(force_insert=True, using=self.alias)
+        return envelope.id
+
+    def enqueue_many(self, envelopes: list[Envelope]) -> list[str]:
+        now = timezone.now()
+        Job.objects.using(self.alias).bulk_create([self._row(e, now) for e in envelopes], batch_size=1000)
+        return [e.id for e in envelopes]
+
+    def fetch(self, queue: str) -> Lease | None:
+        now = timezone.now()
+        owner = secrets.token_hex(16)
+        expires = now + timedelta(seconds=conf.get("LEASE_TIMEOUT"))
+        vendor = self._conn.vendor
+        if vendor in ("postgresql", "sqlite"):
+            row = self._claim_returning(queue, owner, now, expires, vendor)
+        else:
+            row = self._claim_orm(queue, owner, now, expires)
+        if row is None:
+            return None
+        lease = Lease(token=row[0], owner_token=owner, expires_at=expires, queue=queue, raw=row)
+        try:
+            lease.envelope = Envelope.from_dict(_row_fields(row, queue))
+        except InvalidPayload as exc:
+            lease.error = exc
+        return lease
+
+    def _claim_returning(self, queue: str, owner: str, now: datetime, expires: datetime, vendor: str) -> Any:
+        if vendor == "postgresql":
+            lock, returned = "FOR UPDATE SKIP LOCKED", RETURNED.format(payload="payload::text", options="options::text")
+        else:
+            lock, returned = "", RETURNED.format(payload="payload", options="options")
+        # Statuses are literals, not parameters, so the planner matches the partial index.
+        sql = (
+            f"UPDATE {TABLE} SET status = 'in_progress', owner_token = %s, leased_until = %s, updated_at = %s "
+            f"WHERE status = 'pending' AND id = ("
+            f"SELECT id FROM {TABLE} WHERE status = 'pending' AND queue = %s AND available_at <= %s "
+            f"ORDER BY priority DESC, available_at, id LIMIT 1 {lock}) RETURNING {returned}"
+        )
+        _, row = self._execute(sql, [owner, self._adapt(expires), self._adapt(now), queue, self._adapt(now)])
+        return row
+
+    def _claim_orm(self, queue: str, owner: str, now: datetime, expires: datetime) -> Any:
+        jobs = Job.objects.using(self.alias)
+        with transaction.atomic(using=self.alias):
+            job = (
+                jobs.select_for_update(skip_locked=self._conn.features.has_select_for_update_skip_locked)
+                .filter(status=JobStatus.PENDING, queue=queue, available_at__lte=now)
+                .order_by("-priority", "available_at", "id")
+                .first()
+            )
+            if job is None:
+                return None
+            jobs.filter(pk=job.pk).update(
+                status=JobStatus.IN_PROGRESS, owner_token=owner, leased_until=expires, updated_at=now
+            )
+        return (
+            job.id, job.handler, json.dumps(job.payload), json.dumps(job.options), job.signature, job.name,
+            job.attempts, job.max_retries, job.priority, job.available_at, job.timeout, job.idempotency_key,
+        )
+
+    def ack(self, lease: Lease, *, count_run: bool = True) -> None:
+        self._settle(
+            lease, "status = 'completed', attempts = attempts + %s, finished_at = %s",
+            [int(count_run), self._adapt(timezone.now())],
+        )
+
+    def nack(self, lease: Lease, delay: float, *, error: str = "", count_run: bool = True) -> None:
+        available = timezone.now() + timedelta(seconds=max(delay, 0))
+        self._settle(
+            lease, "status = 'pending', attempts = attempts + %s, available_at = %s, last_error = %s",
+            [int(count_run), self._adapt(available), error],
+        )
+
+    def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
+        self._settle(
+            lease, "status = 'failed', attempts = attempts + %s, finished_at = %s, last_error = %s",
+            [int(count_run), self._adapt(timezone.now()), error],
+        )
+
+    def extend(self, lease: Lease, seconds: float) -> None:
+        expires = timezone.now() + timedelta(seconds=seconds)
+        count, _ = self._execute(
+            f"UPDATE {TABLE} SET leased_until = %s WHERE id = %s AND owner_token = %s AND status = 'in_progress'",
+            [self._adapt(expires), lease.token, lease.owner_token],
+        )
+        if count != 1:
+            raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
+        lease.expires_at = expires
+
+    def reap_expired(self, queue: str | None = None) -> int:
+        """Each expired lease counts as a failed run: requeued with backoff, or failed."""
+        now = timezone.now()
+        jobs = Job.objects.using(self.alias)
+        expired = jobs.filter(status=JobStatus.IN_PROGRESS, leased_until__lt=now)
+        if queue is not None:
+            expired = expired.filter(queue=queue)
+        reaped = 0
+        for job in expired.only("id", "owner_token", "attempts", "max_retries", "options", "leased_until"):
+            error = f"{WorkerLost.__name__}: lease expired at {job.leased_until.isoformat()} (worker crashed or stalled)"
+            runs = job.attempts + 1
+            if runs <= job.max_retries:
+                changes = {
+                    "status": JobStatus.PENDING,
+                    "available_at": now + timedelta(seconds=lost_run_delay(job.attempts, job.options)),
+                }
+            else:
+                changes = {"status": JobStatus.FAILED, "finished_at": now}
+            # Fenced on the owner token we read: a concurrent reaper or a late ack wins cleanly.
+            reaped += jobs.filter(pk=job.pk, owner_token=job.owner_token, status=JobStatus.IN_PROGRESS).update(
+                attempts=runs, owner_token=None, leased_until=None, last_error=error, updated_at=now, **changes
+            )
+        return reaped
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def size(self, queue: str) -> int:
+        return Job.objects.using(self.alias).filter(
+            queue=queue, status__in=(JobStatus.PENDING, JobStatus.IN_PROGRESS)
+        ).count()
+
+    def stats(self, queue: str) -> dict[str, int]:
+        now = timezone.now()
+        pending = Q(status=JobStatus.PENDING)
+        return Job.objects.using(self.alias).filter(queue=queue, backend=self.name).aggregate(
+            pending=Count("id", filter=pending & Q(available_at__lte=now)),
+            delayed=Count("id", filter=pending & Q(available_at__gt=now)),
+            in_progress=Count("id", filter=Q(status=JobStatus.IN_PROGRESS)),
+            failed=Count("id", filter=Q(status=JobStatus.FAILED)),
+        )

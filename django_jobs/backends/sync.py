@@ -1,0 +1,56 @@
+"""The sync backend: every job runs inline, once, at dispatch (for tests and development).
+
+It goes through the real worker pipeline (signature check, handler allowlist, idempotency,
+timeout) so behaviour matches production; there is no queue, so no retry and no delay.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from django.utils import timezone
+
+from ..envelope import Envelope
+from .base import Lease, QueueBackend
+
+
+class SyncBackend(QueueBackend):
+    supports_delay = False
+    persistent = False
+
+    def __init__(self, name: str, options: dict[str, Any]) -> None:
+        super().__init__(name, options)
+        self.last_results: list[Any] = []
+
+    def enqueue(self, envelope: Envelope) -> str:
+        from ..worker import QueueWorker  # the worker imports the backends package
+
+        lease = Lease(
+            token=envelope.id, owner_token=secrets.token_hex(8), expires_at=timezone.now(),
+            queue=envelope.queue, envelope=envelope,
+        )
+        result = QueueWorker(self, [envelope.queue]).process(lease)
+        self.last_results = [*self.last_results[-99:], result]
+        return envelope.id
+
+    def fetch(self, queue: str) -> Lease | None:
+        return None
+
+    def ack(self, lease: Lease, *, count_run: bool = True) -> None:
+        pass
+
+    def nack(self, lease: Lease, delay: float, *, error: str = "", count_run: bool = True) -> None:
+        pass
+
+    def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
+        pass
+
+    def extend(self, lease: Lease, seconds: float) -> None:
+        pass
+
+    def reap_expired(self, queue: str | None = None) -> int:
+        return 0
+
+    def size(self, queue: str) -> int:
+        return 0

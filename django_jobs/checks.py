@@ -1,0 +1,68 @@
+"""System checks: ``manage.py check`` reports bad JOBS settings before a worker starts."""
+
+from __future__ import annotations
+
+from numbers import Number
+from typing import Any
+
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+
+from . import conf
+from .retry import STRATEGIES
+
+NON_NEGATIVE = (
+    "RETRY_BACKOFF_BASE", "RETRY_BACKOFF_MULTIPLIER", "RETRY_BACKOFF_MAX", "DEFAULT_MAX_RETRIES",
+    "LEASE_TIMEOUT", "IDEMPOTENCY_TTL", "POLL_INTERVAL",
+)
+
+
+def _error(msg: str, id: str, hint: str | None = None) -> checks.CheckMessage:
+    return checks.Error(msg, hint=hint, obj="settings.JOBS", id=f"django_jobs.{id}")
+
+
+@checks.register(checks.Tags.compatibility)
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    from .backends import backend_config, engine_class
+
+    errors: list[checks.CheckMessage] = []
+    backends = conf.get("BACKENDS") or {}
+    if conf.get("DEFAULT_BACKEND") not in backends:
+        errors.append(_error(f"DEFAULT_BACKEND {conf.get('DEFAULT_BACKEND')!r} is not in BACKENDS", "E001"))
+    for name in backends:
+        try:
+            engine_class(backend_config(name).get("ENGINE", "database"))
+        except ImproperlyConfigured as exc:
+            errors.append(_error(f"backend {name!r}: {exc}", "E002"))
+        except ImportError as exc:
+            errors.append(_error(f"backend {name!r}: cannot import its ENGINE: {exc}", "E002"))
+    if conf.get("RETRY_BACKOFF_STRATEGY") not in STRATEGIES:
+        errors.append(_error(
+            f"unknown RETRY_BACKOFF_STRATEGY {conf.get('RETRY_BACKOFF_STRATEGY')!r}", "E003",
+            hint=f"use one of {', '.join(STRATEGIES)}",
+        ))
+    for key in NON_NEGATIVE:
+        value = conf.get(key)
+        if not isinstance(value, Number) or isinstance(value, bool) or value < 0:
+            errors.append(_error(f"{key} must be a non-negative number, not {value!r}", "E004"))
+    timeout = conf.get("DEFAULT_TIMEOUT")
+    if timeout is not None and (not isinstance(timeout, Number) or timeout <= 0):
+        errors.append(_error(f"DEFAULT_TIMEOUT must be None or a positive number, not {timeout!r}", "E004"))
+    from django.conf import settings
+
+    if conf.get("IDEMPOTENCY_CACHE") not in settings.CACHES:
+        errors.append(_error(f"IDEMPOTENCY_CACHE {conf.get('IDEMPOTENCY_CACHE')!r} is not in CACHES", "E007"))
+    if not conf.get("QUEUES"):
+        errors.append(_error("QUEUES must list at least one queue", "E005"))
+    from . import registry
+
+    registry.autodiscover()  # @job handlers register on import
+    known = set(conf.handlers()) | set(registry.registered())
+    for queue, allowed in (conf.get("QUEUE_HANDLERS") or {}).items():
+        for key in allowed:
+            if key not in known:
+                errors.append(_error(
+                    f"QUEUE_HANDLERS[{queue!r}] names unknown handler {key!r}", "E006",
+                    hint="add it to JOBS['HANDLERS'] or register it with @job in an app's jobs module",
+                ))
+    return errors

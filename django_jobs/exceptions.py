@@ -1,0 +1,35 @@
+"""One exception hierarchy for django-jobs."""
+
+from __future__ import annotations
+
+
+class JobsError(Exception):
+    """Base class of every django-jobs error."""
+
+
+class LeaseLost(JobsError):
+    """The lease was reaped or settled by someone else: the owner token is stale."""
+
+
+class InvalidPayload(JobsError, ValueError):
+    """A message or payload that cannot be encoded or decoded (not JSON, too large, bad shape)."""
+
+
+class BadSignature(JobsError):
+    """A message whose HMAC signature is missing or does not verify."""
+
+
+class HandlerNotAllowed(JobsError):
+    """The message names a handler that is unknown or not allowed on its queue."""
+
+
+class JobTimeout(JobsError):
+    """The attempt ran longer than its timeout."""
+
+
+class UnknownQueue(JobsError, ValueError):
+    """A job was dispatched to a queue that is not listed in ``JOBS["QUEUES"]``."""
+
+
+class WorkerLost(JobsError):
+    """The lease expired while the job was running: its worker crashed or stalled."""

@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_jobs import operations
+from django_jobs.models import Job
+
+
+class Command(BaseCommand):
+    help = "Re-dispatch failed jobs (the admin's 'retry' action)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("ids", nargs="*", help="job ids")
+        parser.add_argument("--all-failed", action="store_true", help="every failed job")
+        parser.add_argument("--queue", help="with --all-failed: only this queue")
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        if bool(opts["ids"]) == opts["all_failed"]:
+            raise CommandError("give job ids or --all-failed (not both)")
+        jobs = Job.objects.filter(pk__in=opts["ids"]) if opts["ids"] else Job.objects.all()
+        if opts["queue"]:
+            jobs = jobs.filter(queue=opts["queue"])
+        self.stdout.write(f"retried {operations.retry_jobs(jobs)} job(s)")

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandParser
+
+from django_jobs import operations
+
+COLUMNS = ("backend", "queue", "pending", "delayed", "in_progress", "failed")
+
+
+class Command(BaseCommand):
+    help = "Pending, delayed, in-progress and failed jobs per backend and queue."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--backend", action="append", help="only this backend (repeatable)")
+        parser.add_argument("--json", action="store_true")
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        rows = operations.stats(opts["backend"])
+        if opts["json"]:
+            self.stdout.write(json.dumps(rows, indent=2))
+            return
+        self.stdout.write("".join(f"{c:<14}" for c in COLUMNS).rstrip())
+        for row in rows:
+            self.stdout.write("".join(f"{row[c]!s:<14}" for c in COLUMNS).rstrip())

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandParser
+
+from django_jobs import conf, registry
+from django_jobs.pool import WorkerPool
+from django_jobs.worker import QueueWorker, WorkerResult
+
+
+class Command(BaseCommand):
+    help = "Run a django-jobs worker until SIGTERM/SIGINT (or --once / --max / --max-time)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("queues", nargs="*", help="queues to consume, in priority order (default: the first of QUEUES)")
+        parser.add_argument("--backend", help="backend name (default: DEFAULT_BACKEND)")
+        parser.add_argument("--once", action="store_true", help="one fetch, at most one job, then exit")
+        parser.add_argument("--max", type=int, dest="max_jobs", help="exit after N jobs")
+        parser.add_argument("--max-time", type=float, help="exit after S seconds")
+        parser.add_argument("--concurrency", type=int, default=1, help="worker processes (default 1)")
+        parser.add_argument("--sleep", type=float, help="seconds to wait after an empty fetch (default POLL_INTERVAL)")
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        queues = opts["queues"] or [conf.default_queue()]
+        registry.autodiscover()  # before forking, so every process has the @job registrations
+        pool = WorkerPool(
+            lambda: QueueWorker(opts["backend"], queues),
+            opts["concurrency"], max_jobs=1 if opts["once"] else opts["max_jobs"], max_time=opts["max_time"],
+            once=opts["once"], sleep=opts["sleep"], on_result=self.report,
+        )
+        pool.install_signal_handlers()
+        self.stdout.write(
+            f"django-jobs worker started: backend={opts['backend'] or conf.get('DEFAULT_BACKEND')} "
+            f"queues={','.join(queues)} concurrency={opts['concurrency']}"
+        )
+        self.stdout.flush()
+        pool.run()
+
+    def report(self, result: WorkerResult) -> None:
+        error = f"  {result.error.splitlines()[0]}" if result.error else ""
+        self.stdout.write(
+            f"{result.status:<18} {result.job_id} {result.handler} queue={result.queue} "
+            f"attempt={result.attempt} {result.seconds:.3f}s{error}"
+        )
+        self.stdout.flush()

@@ -1,0 +1,80 @@
+"""What the admin and the maintenance commands do, kept out of both so each stays thin."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Any
+
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from . import conf
+from .backends import get_backend
+from .backends.database import DatabaseBackend
+from .envelope import Envelope
+from .models import Job, JobStatus
+
+_AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_age(text: str) -> timedelta:
+    """``"90"``, ``"15m"``, ``"12h"``, ``"7d"``, ``"2w"`` -> a timedelta."""
+    match = _AGE.match(text)
+    if not match:
+        raise ValueError(f"cannot read age {text!r}; use e.g. 3600, 15m, 12h, 7d or 2w")
+    return timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+
+
+def purge(status: str, queue: str | None = None, before: timedelta | None = None, dry_run: bool = False) -> int:
+    """Delete finished jobs (``completed`` or ``failed``), optionally older than ``before``."""
+    if status not in (JobStatus.COMPLETED, JobStatus.FAILED):
+        raise ValueError("only completed or failed jobs can be purged")
+    jobs = Job.objects.filter(status=status)
+    if queue:
+        jobs = jobs.filter(queue=queue)
+    if before is not None:
+        jobs = jobs.filter(finished_at__lt=timezone.now() - before)
+    return jobs.count() if dry_run else jobs.delete()[0]
+
+
+def retry_jobs(jobs: QuerySet[Job]) -> int:
+    """Give failed jobs a fresh start: pending, attempts 0, available now.
+
+    A database-backend row is reset in place; an audit copy of a job that failed on another
+    backend is re-dispatched to that backend and the copy removed (a new failure re-records it).
+    """
+    now = timezone.now()
+    retried = 0
+    for row in jobs.filter(status=JobStatus.FAILED):
+        backend = get_backend(row.backend)
+        if isinstance(backend, DatabaseBackend):
+            retried += Job.objects.using(backend.alias).filter(pk=row.pk, status=JobStatus.FAILED).update(
+                status=JobStatus.PENDING, attempts=0, available_at=now, owner_token=None, leased_until=None,
+                finished_at=None, last_error="", updated_at=now,
+            )
+        else:
+            backend.enqueue(envelope_of(row))
+            row.delete()
+            retried += 1
+    return retried
+
+
+def envelope_of(row: Job) -> Envelope:
+    """The envelope a ``Job`` row describes, as first dispatched (attempts 0, available now)."""
+    return Envelope(
+        id=row.id, handler=row.handler, payload=row.payload, queue=row.queue, priority=row.priority,
+        max_retries=row.max_retries, name=row.name, idempotency_key=row.idempotency_key,
+        timeout=row.timeout, options=row.options or {}, signature=row.signature,
+    )
+
+
+def stats(backend_names: list[str] | None = None) -> list[dict[str, Any]]:
+    """One row per backend and queue: pending, delayed, in_progress, failed."""
+    rows = []
+    for name in backend_names or list(conf.get("BACKENDS")):
+        backend = get_backend(name)
+        for queue in conf.queues():
+            rows.append({"backend": name, "queue": queue, **backend.stats(queue)})
+    return rows

@@ -1,0 +1,152 @@
+"""The ``jobs_work`` supervisor: N forked worker processes, restarted if they die.
+
+Each process runs one job at a time in its main thread, so ``SIGALRM`` timeouts work and a job
+that crashes or wedges its process (``os._exit``, a segfault, a hard timeout) costs one restart,
+never the worker. ``SIGTERM``/``SIGINT`` let every process finish its current job, then exit 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from django.db import connections
+
+from . import backends
+from .worker import QueueWorker, WorkerResult
+
+logger = logging.getLogger("django_jobs.worker")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+PR_SET_PDEATHSIG = 1
+
+
+class SharedBudget:
+    """``--max N`` shared by every process: a job is counted before it is fetched."""
+
+    def __init__(self, total: int) -> None:
+        self.left = multiprocessing.get_context("fork").Value("q", total)
+
+    def take(self) -> bool:
+        with self.left.get_lock():
+            if self.left.value <= 0:
+                return False
+            self.left.value -= 1
+            return True
+
+    def give_back(self) -> None:
+        with self.left.get_lock():
+            self.left.value += 1
+
+    def exhausted(self) -> bool:
+        return self.left.value <= 0
+
+
+class WorkerPool:
+    """Runs ``concurrency`` worker processes built by ``make_worker``."""
+
+    def __init__(
+        self,
+        make_worker: Callable[[], QueueWorker],
+        concurrency: int = 1,
+        *,
+        max_jobs: int | None = None,
+        max_time: float | None = None,
+        once: bool = False,
+        sleep: float | None = None,
+        on_result: Callable[[WorkerResult], None] | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.make_worker = make_worker
+        self.concurrency = concurrency
+        self.run_options = {"max_time": max_time, "once": once, "sleep": sleep, "on_result": on_result}
+        self.budget = SharedBudget(max_jobs) if max_jobs is not None else None
+        self.children: dict[int, Any] = {}
+        self.stopping = False
+        self._worker: QueueWorker | None = None
+
+    def install_signal_handlers(self) -> None:
+        """Call before announcing start: from then on a signal means a clean stop."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.stopping = True
+        if self._worker is not None:  # in a child
+            self._worker.stop()
+        for pid in list(self.children):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def run(self) -> int:
+        """Supervise until every process has finished; returns the exit code (0)."""
+        # Children must not share the parent's sockets.
+        connections.close_all()
+        backends.reset()
+        for slot in range(self.concurrency):
+            self._spawn(slot)
+        while self.children:
+            try:
+                pid, status = os.wait()
+            except ChildProcessError:
+                break
+            slot, finished, started = self.children.pop(pid)
+            if finished.value or self.stopping:
+                continue
+            code = os.waitstatus_to_exitcode(status)
+            if self.budget is not None and self.budget.exhausted():
+                continue
+            logger.error("worker process %d (slot %d) died with status %s; starting a new one", pid, slot, code)
+            if time.monotonic() - started < 1:
+                time.sleep(1)  # do not spin if it dies at start-up
+            if not self.stopping:
+                self._spawn(slot)
+        return 0
+
+    def _spawn(self, slot: int) -> None:
+        finished = multiprocessing.get_context("fork").Value("b", 0)
+        parent = os.getpid()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        pid = os.fork()
+        if pid:
+            self.children[pid] = (slot, finished, time.monotonic())
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            return
+        code = 1
+        try:
+            self.children = {}
+            _die_with_parent(parent)
+            self._worker = worker = self.make_worker()
+            worker.exit_on_hard_timeout = True
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            if self.stopping:
+                worker.stop()
+            worker.run(budget=self.budget, **self.run_options)
+            finished.value = 1
+            code = 0
+        except BaseException:
+            logger.exception("worker process crashed")
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: a SIGKILLed supervisor takes its workers down too, like a crashed worker would."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)

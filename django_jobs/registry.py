@@ -1,0 +1,80 @@
+"""Which handlers a message may name: ``@job`` registrations and ``JOBS["HANDLERS"]`` only.
+
+A message can never name an arbitrary import path: anything not registered here fails with
+:class:`HandlerNotAllowed`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+from importlib import import_module
+from typing import Any, Protocol
+
+from django.apps import apps
+from django.utils.module_loading import autodiscover_modules, import_string
+
+from . import conf
+from .exceptions import HandlerNotAllowed
+
+
+class Handler(Protocol):
+    """What a worker runs. ``can_retry`` is optional and has the last word on retries."""
+
+    def handle(self, context: Any) -> Any: ...
+
+
+_registered: dict[str, Handler] = {}
+
+
+def register(key: str, handler: Handler) -> None:
+    """Make ``handler`` runnable under ``key`` (``@job`` calls this with the dotted path)."""
+    _registered[key] = handler
+
+
+def registered() -> dict[str, Handler]:
+    return dict(_registered)
+
+
+@lru_cache(maxsize=256)
+def _load(path: str) -> Any:
+    return import_string(path)
+
+
+class _FunctionHandler:
+    """Adapts a plain ``def handler(context)`` named in ``JOBS["HANDLERS"]``."""
+
+    def __init__(self, func: Any) -> None:
+        self.func = func
+
+    def handle(self, context: Any) -> Any:
+        return self.func(context)
+
+
+def resolve(key: str, queue: str) -> Handler:
+    """The handler for ``key`` on ``queue``, or :class:`HandlerNotAllowed`."""
+    allowed = (conf.get("QUEUE_HANDLERS") or {}).get(queue)
+    if allowed is not None and key not in allowed:
+        raise HandlerNotAllowed(f"handler {key!r} is not allowed on queue {queue!r}")
+    handler = _registered.get(key)
+    if handler is not None:
+        return handler
+    path = conf.handlers().get(key)
+    if not path:
+        raise HandlerNotAllowed(f"unknown handler {key!r}: register it with @job or JOBS['HANDLERS']")
+    try:
+        target = _load(path)
+    except ImportError as exc:
+        raise HandlerNotAllowed(f"handler {key!r} points to {path!r}, which cannot be imported: {exc}") from exc
+    if inspect.isclass(target):
+        return target()
+    return target if hasattr(target, "handle") else _FunctionHandler(target)
+
+
+def autodiscover() -> None:
+    """Import every installed app's ``jobs`` module and ``JOBS["IMPORTS"]``, so ``@job``
+    functions are registered before a worker's first fetch (as the admin autodiscovers)."""
+    if apps.ready:
+        autodiscover_modules("jobs")
+    for module in conf.get("IMPORTS") or ():
+        import_module(module)

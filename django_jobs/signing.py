@@ -1,0 +1,70 @@
+"""HMAC-SHA256 signatures over an envelope's immutable fields, with key rotation."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from django.conf import settings
+
+from . import conf
+from .exceptions import BadSignature
+
+if TYPE_CHECKING:
+    from .envelope import Envelope
+
+# The fields a signature covers. attempts and available_at change on every requeue, so they
+# are left out and a requeued message still verifies; everything that decides *what* runs,
+# *where* and *how often* is inside the MAC (queue and handler included: no replay elsewhere).
+SIGNED_FIELDS = (
+    "id", "handler", "payload", "queue", "priority", "max_retries",
+    "name", "idempotency_key", "timeout", "options",
+)
+
+
+def canonical(fields: dict[str, Any]) -> bytes:
+    """Canonical JSON of the signed fields: sorted keys, no spaces, UTF-8."""
+    data = {name: fields.get(name) for name in SIGNED_FIELDS}
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+@lru_cache(maxsize=8)
+def _derive(secret: str) -> bytes:
+    # Never sign with SECRET_KEY itself: derive a key dedicated to this purpose.
+    return hashlib.sha256(b"django_jobs.signing:" + secret.encode()).digest()
+
+
+def _as_key(value: str | bytes) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def signing_keys() -> list[bytes]:
+    """The current key first, then the fallbacks still accepted when verifying."""
+    current = conf.get("SIGNING_KEY")
+    keys = [_as_key(current) if current else _derive(settings.SECRET_KEY)]
+    keys.extend(_as_key(k) for k in conf.get("SIGNING_KEY_FALLBACKS") or ())
+    return keys
+
+
+def _mac(key: bytes, message: bytes) -> str:
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def sign(envelope: Envelope) -> str:
+    """Hex HMAC of the envelope's signed fields with the current key."""
+    return _mac(signing_keys()[0], canonical(envelope.signed_fields()))
+
+
+def verify(envelope: Envelope) -> None:
+    """Raise :class:`BadSignature` unless one of the keys produced ``envelope.signature``."""
+    signature = envelope.signature
+    if not signature or not isinstance(signature, str):
+        raise BadSignature(f"job {envelope.id!r} has no signature")
+    message = canonical(envelope.signed_fields())
+    for key in signing_keys():
+        if hmac.compare_digest(_mac(key, message), signature):
+            return
+    raise BadSignature(f"job {envelope.id!r} has an invalid signature")

@@ -1,0 +1,51 @@
+"""Shared fixtures: real services that skip locally but fail under CI=true."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import settings as hypothesis_settings
+
+hypothesis_settings.register_profile("ci", max_examples=200, deadline=None)
+hypothesis_settings.register_profile("dev", max_examples=50, deadline=None)
+hypothesis_settings.load_profile("ci" if os.environ.get("CI") == "true" else "dev")
+
+IN_CI = os.environ.get("CI") == "true"
+
+
+def require_service(name: str, reachable: bool, detail: str = "") -> None:
+    """Skip when a service is down locally; fail under CI=true (a skip there hides a gap)."""
+    if reachable:
+        return
+    message = f"{name} is not reachable{': ' + detail if detail else ''}"
+    if IN_CI:
+        pytest.fail(message + " (CI=true: a missing service is a failure)", pytrace=False)
+    pytest.skip(message)
+
+
+def postgres_reachable() -> tuple[bool, str]:
+    import psycopg
+    from django.conf import settings
+
+    db = settings.DATABASES["postgres"]
+    try:
+        psycopg.connect(host=db["HOST"], port=db["PORT"], user=db["USER"], dbname="postgres", connect_timeout=3).close()
+        return True, ""
+    except Exception as exc:  # noqa: BLE001
+        return False, str(exc)
+
+
+@pytest.fixture(scope="session")
+def postgres_up() -> None:
+    require_service("PostgreSQL", *postgres_reachable())
+
+
+@pytest.fixture(autouse=True)
+def _fresh_metrics():
+    from django_jobs.metrics import get_collector
+
+    collector = get_collector()
+    if hasattr(collector, "reset"):
+        collector.reset()
+    yield collector

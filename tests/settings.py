@@ -1,0 +1,84 @@
+"""Settings for the test suite: SQLite as ``default`` and real PostgreSQL as ``postgres``.
+
+Worker subprocesses started by tests use the same module with ``JOBS_TEST_SUBPROCESS=1``,
+which points them at the test databases pytest-django created.
+"""
+
+import os
+from pathlib import Path
+
+BASE = Path(__file__).resolve().parent
+SUBPROCESS = os.environ.get("JOBS_TEST_SUBPROCESS") == "1"
+SQLITE_TEST = os.environ.get("JOBS_TEST_SQLITE", str(BASE.parent / ".test-default.sqlite3"))
+PG_TEST = os.environ.get("JOBS_TEST_PG_TEST_NAME", "test_django_jobs")
+
+SECRET_KEY = "tests-only-secret-key-not-for-production"
+DEBUG = False
+USE_TZ = True
+TIME_ZONE = "UTC"
+ROOT_URLCONF = "tests.urls"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django_jobs",
+    "tests.testapp",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [{
+    "BACKEND": "django.template.backends.django.DjangoTemplates",
+    "APP_DIRS": True,
+    "OPTIONS": {"context_processors": [
+        "django.template.context_processors.request",
+        "django.contrib.auth.context_processors.auth",
+        "django.contrib.messages.context_processors.messages",
+    ]},
+}]
+
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": SQLITE_TEST if SUBPROCESS else str(BASE.parent / ".unused-default.sqlite3"),
+        "TEST": {"NAME": SQLITE_TEST},
+        "OPTIONS": {"timeout": 30},
+    },
+    "postgres": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": PG_TEST if SUBPROCESS else os.environ.get("JOBS_TEST_PG_NAME", "test"),
+        "USER": os.environ.get("JOBS_TEST_PG_USER", "postgres"),
+        "HOST": os.environ.get("JOBS_TEST_PG_HOST", "127.0.0.1"),
+        "PORT": os.environ.get("JOBS_TEST_PG_PORT", "5432"),
+        "TEST": {"NAME": PG_TEST},
+    },
+}
+
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
+JOBS = {
+    "BACKENDS": {
+        "default": {"ENGINE": "database", "OPTIONS": {"DATABASE": "default"}},
+        "pg": {"ENGINE": "database", "OPTIONS": {"DATABASE": "postgres"}},
+        "sync": {"ENGINE": "sync"},
+    },
+    "QUEUES": ["default", "other", "emails"],
+    "POLL_INTERVAL": 0.05,
+}
+if os.environ.get("JOBS_TEST_LEASE_TIMEOUT"):
+    JOBS["LEASE_TIMEOUT"] = float(os.environ["JOBS_TEST_LEASE_TIMEOUT"])
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"django_jobs": {"handlers": ["console"], "level": "WARNING"}},
+}

@@ -1,0 +1,53 @@
+"""Scripted test jobs: one ``action`` argument decides what a run does (as Oban's test worker)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from django_jobs import job
+
+from .models import SideEffect
+
+
+def _record(key: str | None, db: str) -> None:
+    if key:
+        SideEffect.objects.using(db).create(key=key, pid=os.getpid())
+
+
+@job(queue="default")
+def scripted(action: str = "ok", key: str | None = None, db: str = "default", seconds: float = 0,
+             fail_times: int = 0) -> str:
+    """ok | raise | flaky (raise until ``fail_times`` runs recorded) | exit | hang | hang_masked | sleep."""
+    _record(key, db)
+    if action == "raise":
+        raise RuntimeError("scripted failure")
+    if action == "flaky":
+        if SideEffect.objects.using(db).filter(key=key).count() <= fail_times:
+            raise RuntimeError("flaky failure")
+    if action == "exit":
+        os._exit(3)
+    if action == "sleep":
+        time.sleep(seconds)
+    if action == "hang":
+        time.sleep(3600)
+    if action == "hang_masked":
+        # Like a C call that never returns to the interpreter: no signal can interrupt it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM})
+        time.sleep(3600)
+    return action
+
+
+@job
+def noop() -> None:
+    """Does nothing (benchmarks and throughput tests)."""
+
+
+calls: list[tuple] = []
+
+
+@job(queue="default")
+def remember(*args: object, **kwargs: object) -> None:
+    """Records its call in-process (for tests that run the worker in the same process)."""
+    calls.append((args, kwargs))
