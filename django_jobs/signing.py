@@ -25,9 +25,21 @@ SIGNED_FIELDS = (
 )
 
 
+def _normal(value: Any) -> Any:
+    # Storage may turn 1.0 into 1 or 1e16 into 10000000000000000 (PostgreSQL jsonb, a
+    # FloatField): an integral float signs as the integer so the MAC survives the round trip.
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, dict):
+        return {k: _normal(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_normal(v) for v in value]
+    return value
+
+
 def canonical(fields: dict[str, Any]) -> bytes:
     """Canonical JSON of the signed fields: sorted keys, no spaces, UTF-8."""
-    data = {name: fields.get(name) for name in SIGNED_FIELDS}
+    data = {name: _normal(fields.get(name)) for name in SIGNED_FIELDS}
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
