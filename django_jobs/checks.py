@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from numbers import Number
 from typing import Any
 
 from django.core import checks
@@ -43,10 +42,10 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         ))
     for key in NON_NEGATIVE:
         value = conf.get(key)
-        if not isinstance(value, Number) or isinstance(value, bool) or value < 0:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             errors.append(_error(f"{key} must be a non-negative number, not {value!r}", "E004"))
     timeout = conf.get("DEFAULT_TIMEOUT")
-    if timeout is not None and (not isinstance(timeout, Number) or timeout <= 0):
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         errors.append(_error(f"DEFAULT_TIMEOUT must be None or a positive number, not {timeout!r}", "E004"))
     from django.conf import settings
 

@@ -18,10 +18,11 @@ class CommandHandler:
 
     def handle(self, context: Any) -> None:
         payload = context.payload
+        options: dict[str, Any] = {}
         if isinstance(payload, str):
-            name, args, options = payload, [], {}
+            name, args = payload, []
         elif isinstance(payload, list) and payload and all(isinstance(p, str) for p in payload):
-            name, args, options = payload[0], payload[1:], {}
+            name, args = payload[0], payload[1:]
         elif isinstance(payload, dict) and isinstance(payload.get("name"), str):
             name, args, options = payload["name"], list(payload.get("args", [])), dict(payload.get("options", {}))
         else:

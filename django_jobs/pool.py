@@ -66,7 +66,7 @@ class WorkerPool:
             raise ValueError("concurrency must be at least 1")
         self.make_worker = make_worker
         self.concurrency = concurrency
-        self.run_options = {"max_time": max_time, "once": once, "sleep": sleep, "on_result": on_result}
+        self.run_options: dict[str, Any] = {"max_time": max_time, "once": once, "sleep": sleep, "on_result": on_result}
         self.budget = SharedBudget(max_jobs) if max_jobs is not None else None
         self.children: dict[int, Any] = {}
         self.stopping = False

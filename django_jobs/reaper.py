@@ -30,7 +30,8 @@ class Reaper:
     def reap_once(self) -> int:
         """Recover every expired lease now; return how many were recovered."""
         total = 0
-        for queue in self.queues or [None]:
+        targets: list[str | None] = list(self.queues) or [None]
+        for queue in targets:
             count = self.backend.reap_expired(queue)
             if count:
                 self.metrics.increment("jobs_reaped", count, queue=queue or "*")

@@ -56,9 +56,9 @@ def resolve(key: str, queue: str) -> Handler:
     allowed = (conf.get("QUEUE_HANDLERS") or {}).get(queue)
     if allowed is not None and key not in allowed:
         raise HandlerNotAllowed(f"handler {key!r} is not allowed on queue {queue!r}")
-    handler = _registered.get(key)
-    if handler is not None:
-        return handler
+    found = _registered.get(key)
+    if found is not None:
+        return found
     path = conf.handlers().get(key)
     if not path:
         raise HandlerNotAllowed(f"unknown handler {key!r}: register it with @job or JOBS['HANDLERS']")
@@ -67,7 +67,7 @@ def resolve(key: str, queue: str) -> Handler:
     except ImportError as exc:
         raise HandlerNotAllowed(f"handler {key!r} points to {path!r}, which cannot be imported: {exc}") from exc
     if inspect.isclass(target):
-        return target()
+        return target()  # type: ignore[no-any-return,return-value]
     return target if hasattr(target, "handle") else _FunctionHandler(target)
 
 
