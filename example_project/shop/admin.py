@@ -5,10 +5,10 @@ from .models import DemoCounter, Order
 
 @admin.register(Order)
 class OrderAdmin(admin.ModelAdmin):
-    list_display = ["id", "sku", "total_cents", "created_at"]
-    readonly_fields = ["job_ids", "created_at"]
+    list_display = ("id", "sku", "total_cents", "created_at")
+    readonly_fields = ("job_ids", "created_at")
 
 
 @admin.register(DemoCounter)
 class DemoCounterAdmin(admin.ModelAdmin):
-    list_display = ["key", "value"]
+    list_display = ("key", "value")

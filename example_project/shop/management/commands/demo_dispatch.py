@@ -23,13 +23,10 @@ class Command(BaseCommand):
 
         ids = order.job_ids
         self.stdout.write(f"Created order #{order.pk} ({order.sku}) and dispatched:")
-        self.stdout.write(
-            f"  send_receipt    {ids['send_receipt']}  queue emails   "
-            "expect: completed after 1 attempt"
-        )
+        self.stdout.write(f"  send_receipt    {ids['send_receipt']}  queue emails   expect: completed after 1 attempt")
         self.stdout.write(
             f"  sync_inventory  {ids['sync_inventory']}  queue default  "
-            "expect: fails twice, retried after ~1 s then ~2 s, completed after 3 attempts"
+            "expect: fails twice (backoff ~1 s, then ~2 s), completed after 3 attempts"
         )
         self.stdout.write(
             f"  charge_card     {ids['charge_card']}  queue default  "

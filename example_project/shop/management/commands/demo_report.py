@@ -16,9 +16,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--order", type=int, help="order id (default: the latest order)")
-        parser.add_argument(
-            "--check", action="store_true", help="exit 1 unless every job ended as expected"
-        )
+        parser.add_argument("--check", action="store_true", help="exit 1 unless every job ended as expected")
 
     def handle(self, *args, **options):
         orders = Order.objects.order_by("-pk")
@@ -36,10 +34,7 @@ class Command(BaseCommand):
                 ok = False
                 self.stdout.write(self.style.ERROR(f"  {name:<15} missing job row"))
                 continue
-            line = (
-                f"  {name:<15} {job.status:<10} after {job.attempts} attempt(s) "
-                f"(max_retries={job.max_retries})"
-            )
+            line = f"  {name:<15} {job.status:<10} after {job.attempts} attempt(s) (max_retries={job.max_retries})"
             if job.finished_at and job.created_at:
                 settled = (job.finished_at - job.created_at).total_seconds()
                 line += f", settled {settled:.1f}s after dispatch"
