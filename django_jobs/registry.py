@@ -67,7 +67,10 @@ def resolve(key: str, queue: str) -> Handler:
     except ImportError as exc:
         raise HandlerNotAllowed(f"handler {key!r} points to {path!r}, which cannot be imported: {exc}") from exc
     if inspect.isclass(target):
-        return target()  # type: ignore[no-any-return,return-value]
+        try:
+            return target()  # type: ignore[no-any-return,return-value]
+        except Exception as exc:
+            raise HandlerNotAllowed(f"handler {key!r} ({path}) cannot be instantiated: {exc!r}") from exc
     return target if hasattr(target, "handle") else _FunctionHandler(target)
 
 
