@@ -1,0 +1,87 @@
+"""The backends the conformance suite runs against, one ``pytest.param`` entry each.
+
+A new backend joins ``tests/test_conformance.py`` (whose ``queue_backend`` fixture is
+parametrized over this list) by adding one entry to ``BACKEND_PARAMS``:
+its ``JOBS["BACKENDS"]`` name (tests/settings.py), the fixtures that bring its service up,
+and — where the test harness can do it — two hooks:
+
+- ``expire(backend, lease)`` makes a fetched lease expire *now*, so ``reap_expired`` has
+  something to recover without sleeping for a lease timeout;
+- ``record(backend, job_id)`` returns the stored ``Job`` row (status, attempts, last_error),
+  or ``None`` when the job has no row.
+
+Tests skip on capabilities only — the backend's flags (``persistent``, ``supports_delay``,
+``supports_priority``, ``native_lease``, ...) or a missing hook — never on a backend's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from django_jobs.backends.base import Lease, QueueBackend
+from django_jobs.models import Job
+
+# Every conformance test may touch both databases: the PG entry keeps its queue in `postgres`,
+# and the worker tests count side effects and look up failed rows in either alias. A test may
+# still override this mark with its own (e.g. transaction=True): the decorator's mark wins.
+DB = pytest.mark.django_db(databases=["default", "postgres"])
+
+
+@dataclass(frozen=True)
+class BackendCase:
+    name: str  # key of JOBS["BACKENDS"] in tests/settings.py
+    fixtures: tuple[str, ...] = ()  # service fixtures (skip locally / fail under CI when down)
+    expire: Callable[[QueueBackend, Lease], None] | None = None
+    record: Callable[[QueueBackend, str], Job | None] | None = None
+    # Database alias where scripted jobs of this case record SideEffect rows.
+    side_effect_db: str = "default"
+
+
+def _db_expire(backend: Any, lease: Lease) -> None:
+    # Same effect as a worker that stopped heartbeating LEASE_TIMEOUT seconds ago.
+    past = timezone.now() - timedelta(seconds=5)
+    updated = Job.objects.using(backend.alias).filter(pk=lease.token).update(leased_until=past)
+    assert updated == 1, f"no row {lease.token} to expire"
+
+
+def _db_record(backend: Any, job_id: str) -> Job | None:
+    return Job.objects.using(backend.alias).filter(pk=job_id).first()
+
+
+BACKEND_PARAMS = [
+    pytest.param(
+        BackendCase("default", expire=_db_expire, record=_db_record),
+        id="database-sqlite",
+        marks=[DB],
+    ),
+    pytest.param(
+        BackendCase("pg", fixtures=("postgres_up",), expire=_db_expire, record=_db_record, side_effect_db="postgres"),
+        id="database-postgres",
+        marks=[DB, pytest.mark.postgres],
+    ),
+    pytest.param(BackendCase("sync"), id="sync", marks=[DB]),
+]
+
+
+def holds_messages(backend: QueueBackend) -> bool:
+    """Whether enqueued messages wait to be fetched. A non-persistent backend (sync) runs
+    each job inline at enqueue, so fetch/ack/nack/lease semantics do not apply to it."""
+    return backend.persistent
+
+
+def require_queue(backend: QueueBackend) -> None:
+    if not holds_messages(backend):
+        pytest.skip("backend runs jobs at enqueue: it has no queue to fetch from")
+
+
+def require_hook(case: BackendCase, hook: str) -> Callable[..., Any]:
+    fn = getattr(case, hook)
+    if fn is None:
+        pytest.skip(f"the test harness cannot {hook} for this backend")
+    return fn

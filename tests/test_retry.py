@@ -1,0 +1,230 @@
+"""RetryPolicy (SPEC 4): every example of the spec, plus property tests over the whole range."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from django.test import override_settings
+from hypothesis import given
+from hypothesis import strategies as st
+
+from django_jobs import Jobs
+from django_jobs.retry import RetryPolicy, policy_for
+
+# -- the examples of SPEC 4 --
+
+
+def test_exponential_base_5_multiplier_2_without_jitter():
+    policy = RetryPolicy(base=5, strategy="exponential", multiplier=2.0, jitter=False)
+    assert [policy.compute_delay(attempt) for attempt in range(1, 6)] == [0, 5, 10, 20, 40]
+
+
+@pytest.mark.parametrize("strategy", ["none", "fixed", "exponential", "full_jitter"])
+@pytest.mark.parametrize("attempt", [1, 0, -3])
+def test_first_attempt_and_below_never_wait(strategy, attempt):
+    assert RetryPolicy(base=5, strategy=strategy, jitter=True).compute_delay(attempt) == 0
+
+
+def test_none_never_waits():
+    policy = RetryPolicy(base=5, strategy="none", multiplier=3.0, max=1000)
+    assert [policy.compute_delay(attempt) for attempt in range(1, 20)] == [0] * 19
+
+
+def test_fixed_waits_base_capped_at_max():
+    assert [RetryPolicy(base=7, strategy="fixed").compute_delay(a) for a in (2, 3, 10)] == [7, 7, 7]
+    assert RetryPolicy(base=500, strategy="fixed", max=300).compute_delay(2) == 300
+
+
+def test_exponential_is_capped_at_max():
+    policy = RetryPolicy(base=5, strategy="exponential", multiplier=2.0, max=30, jitter=False)
+    assert [policy.compute_delay(a) for a in range(2, 7)] == [5, 10, 20, 30, 30]
+
+
+@pytest.mark.parametrize("multiplier", [2, 2.0, 10.0])
+def test_huge_attempt_numbers_stay_at_max(multiplier):
+    # base * multiplier ** 9998 overflows a float: the cap must still apply, not an error.
+    policy = RetryPolicy(base=5, strategy="exponential", multiplier=multiplier, max=300, jitter=True)
+    assert 0.85 * 300 <= policy.compute_delay(10_000) <= 300
+    assert RetryPolicy(base=5, strategy="full_jitter", max=300).compute_delay(10_000) <= 300
+
+
+def test_jitter_extremes_are_plus_minus_15_percent(monkeypatch):
+    policy = RetryPolicy(base=5, strategy="exponential", multiplier=2.0, max=300, jitter=True)
+    # Pin the random factor to each end of its range: raw delay of attempt 4 is 20 s.
+    monkeypatch.setattr("django_jobs.retry.random.uniform", lambda low, high: low)
+    assert policy.compute_delay(4) == pytest.approx(17.0)
+    monkeypatch.setattr("django_jobs.retry.random.uniform", lambda low, high: high)
+    assert policy.compute_delay(4) == pytest.approx(23.0)
+
+
+def test_jitter_is_capped_again_after_it_is_applied(monkeypatch):
+    monkeypatch.setattr("django_jobs.retry.random.uniform", lambda low, high: high)
+    # raw 20 s, +15 % = 23 s, over a max of 22 s: the cap wins (the fix over the PHP library).
+    assert RetryPolicy(base=5, multiplier=2.0, max=22, jitter=True).compute_delay(4) == 22
+    # raw already capped at 300: jitter can only take it down, never above max.
+    assert RetryPolicy(base=5, multiplier=2.0, max=300, jitter=True).compute_delay(12) == 300
+
+
+def test_jitter_spreads_delays_within_the_band():
+    policy = RetryPolicy(base=5, strategy="exponential", multiplier=2.0, max=300, jitter=True)
+    delays = [policy.compute_delay(4) for _ in range(400)]
+    assert all(17.0 <= d <= 23.0 for d in delays)
+    # Jitter actually varies: 400 draws from a 6 s band do not all land in its middle third.
+    assert min(delays) < 19 and max(delays) > 21
+
+
+def test_full_jitter_draws_from_zero_to_the_capped_exponential(monkeypatch):
+    calls = []
+    monkeypatch.setattr("django_jobs.retry.random.uniform", lambda low, high: calls.append((low, high)) or high)
+    # full_jitter uses 2 ** (attempt - 2), whatever the multiplier says.
+    assert RetryPolicy(base=5, strategy="full_jitter", multiplier=3.0).compute_delay(4) == 20
+    assert RetryPolicy(base=5, strategy="full_jitter", max=60).compute_delay(20) == 60
+    assert calls == [(0, 20.0), (0, 60.0)]
+
+
+def test_full_jitter_range_by_sampling():
+    policy = RetryPolicy(base=5, strategy="full_jitter", max=300)
+    delays = [policy.compute_delay(4) for _ in range(400)]
+    assert all(0 <= d <= 20 for d in delays)
+    assert min(delays) < 5 and max(delays) > 15
+
+
+def test_delays_are_never_negative():
+    assert RetryPolicy(base=0, strategy="exponential", jitter=True).compute_delay(5) == 0
+    assert RetryPolicy(base=0, strategy="fixed").compute_delay(5) == 0
+
+
+# -- settings and per-job policies --
+
+
+def test_from_settings_defaults():
+    policy = RetryPolicy.from_settings()
+    assert (policy.strategy, policy.base, policy.multiplier, policy.max, policy.jitter) == ("none", 5, 2.0, 300, True)
+
+
+def test_from_settings_reads_jobs_lazily_under_override_settings():
+    # Each key missing from JOBS keeps its default independently.
+    with override_settings(JOBS={"RETRY_BACKOFF_STRATEGY": "fixed", "RETRY_BACKOFF_BASE": 9}):
+        policy = RetryPolicy.from_settings()
+        assert (policy.strategy, policy.base, policy.multiplier, policy.max, policy.jitter) == (
+            "fixed",
+            9,
+            2.0,
+            300,
+            True,
+        )
+        assert policy.compute_delay(3) == 9
+    with override_settings(
+        JOBS={
+            "RETRY_BACKOFF_STRATEGY": "exponential",
+            "RETRY_BACKOFF_JITTER": False,
+            "RETRY_BACKOFF_MULTIPLIER": 3,
+            "RETRY_BACKOFF_MAX": 100,
+        }
+    ):
+        assert [RetryPolicy.from_settings().compute_delay(a) for a in (2, 3, 4, 5)] == [5, 15, 45, 100]
+    # Back to the test settings once the override ends (nothing cached).
+    assert RetryPolicy.from_settings().strategy == "none"
+
+
+def test_from_settings_overrides_win():
+    with override_settings(JOBS={"RETRY_BACKOFF_STRATEGY": "exponential", "RETRY_BACKOFF_MAX": 50}):
+        policy = RetryPolicy.from_settings(strategy="fixed", base=80)
+    assert (policy.strategy, policy.base, policy.max) == ("fixed", 80, 50)
+    assert policy.compute_delay(2) == 50  # the global max still caps a per-job base
+
+
+def test_per_job_backoff_travels_with_the_envelope_and_overrides_settings():
+    env = Jobs.define("command", "check").backoff(strategy="exponential", base=2, multiplier=3.0, jitter=False).build()
+    assert env.options["backoff"] == {"strategy": "exponential", "base": 2, "multiplier": 3.0, "jitter": False}
+    with override_settings(JOBS={"RETRY_BACKOFF_STRATEGY": "fixed", "RETRY_BACKOFF_BASE": 60}):
+        job_policy = policy_for(env.options)
+        assert [job_policy.compute_delay(a) for a in (2, 3, 4)] == [2, 6, 18]
+        # A job without its own policy follows the global one.
+        plain = Jobs.define("command", "check").build()
+        assert policy_for(plain.options).compute_delay(4) == 60
+
+
+def test_malformed_per_job_backoff_off_the_wire_falls_back_to_settings():
+    with override_settings(JOBS={"RETRY_BACKOFF_STRATEGY": "fixed", "RETRY_BACKOFF_BASE": 11}):
+        assert policy_for({"backoff": {"strategy": "bogus"}}).compute_delay(2) == 11
+        assert policy_for({"backoff": "fast"}).compute_delay(2) == 11
+        assert policy_for(None).compute_delay(2) == 11
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"strategy": "linear"},
+        {"strategy": ""},
+        {"base": -1},
+        {"multiplier": -2.0},
+        {"max": -5},
+    ],
+)
+def test_invalid_policy_raises(kwargs):
+    with pytest.raises(ValueError):
+        RetryPolicy(**kwargs)
+
+
+def test_invalid_strategy_in_settings_or_backoff_raises():
+    with override_settings(JOBS={"RETRY_BACKOFF_STRATEGY": "linear"}), pytest.raises(ValueError, match="linear"):
+        RetryPolicy.from_settings()
+    # Refused when the job is defined, not later in the worker.
+    with pytest.raises(ValueError):
+        Jobs.define("command", "check").backoff(strategy="sometimes")
+
+
+# -- properties --
+
+finite = {"allow_nan": False, "allow_infinity": False}
+bases = st.floats(min_value=0, max_value=1e6, **finite)
+multipliers = st.floats(min_value=0, max_value=100, **finite)
+maxes = st.floats(min_value=0, max_value=1e7, **finite)
+attempts = st.integers(min_value=-5, max_value=2000)
+TOLERANCE = 1e-9  # relative: float rounding of raw * factor
+
+
+def raw_delay(base: float, multiplier: float, maximum: float, attempt: int) -> float:
+    try:
+        return min(base * multiplier ** (attempt - 2), maximum)
+    except OverflowError:
+        return maximum
+
+
+@given(
+    base=bases,
+    multiplier=multipliers,
+    maximum=maxes,
+    attempt=attempts,
+    jitter=st.booleans(),
+    strategy=st.sampled_from(["none", "fixed", "exponential", "full_jitter"]),
+)
+def test_delay_is_between_zero_and_max(base, multiplier, maximum, attempt, jitter, strategy):
+    policy = RetryPolicy(base=base, strategy=strategy, multiplier=multiplier, max=maximum, jitter=jitter)
+    delay = policy.compute_delay(attempt)
+    assert isinstance(delay, float) and not math.isnan(delay)
+    assert 0 <= delay <= maximum
+    if attempt <= 1 or strategy == "none":
+        assert delay == 0
+
+
+@given(base=bases, multiplier=multipliers, maximum=maxes, attempt=st.integers(min_value=2, max_value=2000))
+def test_jittered_delay_stays_within_15_percent_of_the_capped_raw_delay(base, multiplier, maximum, attempt):
+    policy = RetryPolicy(base=base, strategy="exponential", multiplier=multiplier, max=maximum, jitter=True)
+    raw = raw_delay(base, multiplier, maximum, attempt)
+    delay = policy.compute_delay(attempt)
+    assert 0.85 * raw * (1 - TOLERANCE) <= delay <= min(1.15 * raw * (1 + TOLERANCE), maximum)
+
+
+@given(base=bases, multiplier=multipliers, maximum=maxes, attempt=st.integers(min_value=2, max_value=2000))
+def test_unjittered_exponential_is_exactly_the_capped_raw_delay(base, multiplier, maximum, attempt):
+    policy = RetryPolicy(base=base, strategy="exponential", multiplier=multiplier, max=maximum, jitter=False)
+    assert policy.compute_delay(attempt) == pytest.approx(raw_delay(base, multiplier, maximum, attempt), rel=TOLERANCE)
+
+
+@given(base=bases, maximum=maxes, attempt=st.integers(min_value=2, max_value=2000))
+def test_full_jitter_lies_between_zero_and_the_capped_doubling(base, maximum, attempt):
+    delay = RetryPolicy(base=base, strategy="full_jitter", max=maximum).compute_delay(attempt)
+    assert 0 <= delay <= raw_delay(base, 2.0, maximum, attempt) * (1 + TOLERANCE)
