@@ -1,0 +1,221 @@
+"""Maintenance commands (SPEC 11), run in-process with call_command."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.utils import timezone
+
+from django_jobs import Jobs
+from django_jobs.models import Job
+from django_jobs.worker import QueueWorker
+from tests.api_support import clean_state, drain, runs  # noqa: F401  (clean_state is a fixture)
+from tests.testapp.jobs import scripted
+
+pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
+
+
+def run(*args: str, **options) -> str:
+    out = StringIO()
+    call_command(*args, stdout=out, **options)
+    return out.getvalue()
+
+
+def finished(action: str, queue: str = "default", **opts) -> str:
+    """A job on ``queue`` that ran to its end: completed (``ok``) or failed (``raise``)."""
+    job_id = scripted.using(queue=queue, **opts).dispatch(action=action)
+    drain(QueueWorker("default", [queue]))
+    return job_id
+
+
+# -- jobs_purge ---------------------------------------------------------------------------------------
+
+def test_purge_deletes_by_status():
+    ok1, ok2 = finished("ok"), finished("ok")
+    bad = finished("raise")
+    pending = scripted.dispatch(action="ok")
+    assert run("jobs_purge", "--status", "completed") == "deleted 2 completed job(s)\n"
+    assert set(Job.objects.values_list("pk", flat=True)) == {bad, pending}
+    assert not Job.objects.filter(pk__in=[ok1, ok2]).exists()
+    assert run("jobs_purge", "--status", "failed") == "deleted 1 failed job(s)\n"
+    assert list(Job.objects.values_list("pk", flat=True)) == [pending]  # never a live job
+
+
+def test_purge_by_queue_and_age():
+    fresh = finished("ok")
+    old = finished("ok")
+    old_other = finished("ok", queue="other")
+    Job.objects.filter(pk__in=[old, old_other]).update(finished_at=timezone.now() - timedelta(days=3))
+    assert run("jobs_purge", "--status", "completed", "--before", "2d", "--queue", "default") == (
+        "deleted 1 completed job(s)\n")
+    assert set(Job.objects.values_list("pk", flat=True)) == {fresh, old_other}
+    assert run("jobs_purge", "--status", "completed", "--before", "48h") == "deleted 1 completed job(s)\n"
+    assert list(Job.objects.values_list("pk", flat=True)) == [fresh]
+
+
+def test_purge_dry_run_counts_without_deleting():
+    finished("raise")
+    finished("raise", queue="emails")
+    assert run("jobs_purge", "--status", "failed", "--dry-run") == "would delete 2 failed job(s)\n"
+    assert run("jobs_purge", "--status", "failed", "--queue", "emails", "--dry-run") == (
+        "would delete 1 failed job(s)\n")
+    assert Job.objects.filter(status="failed").count() == 2
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: jobs_purge (operations.purge) only deletes from the default database; rows of a database "
+    "backend on another alias (OPTIONS DATABASE) are never purged"
+))
+def test_purge_reaches_a_database_backend_on_another_alias(postgres_up):
+    scripted.using(backend="pg").dispatch(action="ok")
+    drain(QueueWorker("pg"))
+    assert run("jobs_purge", "--status", "completed") == "deleted 1 completed job(s)\n"
+    assert not Job.objects.using("postgres").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["jobs_purge"],  # --status is required
+    ["jobs_purge", "--status", "pending"],  # live jobs are never purged
+    ["jobs_purge", "--status", "completed", "--before", "yesterday"],
+    ["jobs_purge", "--status", "completed", "--before", "-5d"],
+    ["jobs_retry"],  # nothing to retry given
+    ["jobs_retry", "abc", "--all-failed"],  # both
+    ["jobs_stats", "--bogus"],
+    ["jobs_reap", "--interval", "soon"],
+])
+def test_bad_options_raise_command_error(argv):
+    with pytest.raises(CommandError):
+        run(*argv)
+
+
+# -- jobs_retry ---------------------------------------------------------------------------------------
+
+def test_retry_by_ids():
+    first = finished("raise")
+    second = finished("raise")
+    untouched = finished("raise")
+    done = finished("ok")
+    assert run("jobs_retry", first, second, done) == "retried 2 job(s)\n"
+    for job_id in (first, second):
+        job = Job.objects.get(pk=job_id)
+        assert (job.status, job.attempts, job.last_error) == ("pending", 0, "")
+        assert job.available_at <= timezone.now()
+    assert Job.objects.get(pk=untouched).status == "failed"
+    assert Job.objects.get(pk=done).status == "completed"
+    # They really run again (and fail again: one run each since the reset).
+    assert {r.job_id for r in drain(QueueWorker("default"))} == {first, second}
+    assert Job.objects.get(pk=first).attempts == 1
+
+
+def test_retry_all_failed_on_one_queue():
+    on_default = finished("raise")
+    on_other = [finished("raise", queue="other"), finished("raise", queue="other")]
+    assert run("jobs_retry", "--all-failed", "--queue", "other") == "retried 2 job(s)\n"
+    assert set(Job.objects.filter(status="pending").values_list("pk", flat=True)) == set(on_other)
+    assert Job.objects.get(pk=on_default).status == "failed"
+    assert run("jobs_retry", "--all-failed") == "retried 1 job(s)\n"
+    assert Job.objects.filter(status="failed").count() == 0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: jobs_retry (operations.retry_jobs via the command) only looks at Job.objects on the default "
+    "database; a failed job of a database backend on another alias (OPTIONS DATABASE) is never found"
+))
+def test_retry_reaches_a_database_backend_on_another_alias(postgres_up):
+    job_id = scripted.using(backend="pg").dispatch(action="raise")
+    drain(QueueWorker("pg"))
+    assert run("jobs_retry", job_id) == "retried 1 job(s)\n"
+    assert Job.objects.using("postgres").get(pk=job_id).status == "pending"
+
+
+def test_retry_of_unknown_ids_retries_nothing():
+    assert run("jobs_retry", "does-not-exist") == "retried 0 job(s)\n"
+
+
+# -- jobs_stats ---------------------------------------------------------------------------------------
+
+def make_stats_rows() -> None:
+    """default queue: 2 pending, 1 delayed, 1 in progress, 1 failed, 1 completed; other: 1 pending."""
+    finished("raise")
+    finished("ok")
+    scripted.using(priority=10).dispatch(action="ok")
+    assert Jobs.backend("default").fetch("default") is not None  # now in progress
+    scripted.dispatch(action="ok")
+    scripted.dispatch(action="ok")
+    scripted.using(delay=3600).dispatch(action="ok")
+    scripted.using(queue="other").dispatch(action="ok")
+
+
+def test_stats_json_matches_the_rows():
+    make_stats_rows()
+    rows = json.loads(run("jobs_stats", "--json", "--backend", "default"))
+    by_queue = {(r["backend"], r["queue"]): r for r in rows}
+    assert set(by_queue) == {("default", "default"), ("default", "other"), ("default", "emails")}
+    assert by_queue["default", "default"] == {
+        "backend": "default", "queue": "default", "pending": 2, "delayed": 1, "in_progress": 1, "failed": 1}
+    assert by_queue["default", "other"] == {
+        "backend": "default", "queue": "other", "pending": 1, "delayed": 0, "in_progress": 0, "failed": 0}
+    assert by_queue["default", "emails"] == {
+        "backend": "default", "queue": "emails", "pending": 0, "delayed": 0, "in_progress": 0, "failed": 0}
+
+
+def test_stats_table_covers_every_backend(postgres_up):
+    make_stats_rows()
+    scripted.using(backend="pg", queue="emails").dispatch(action="ok")
+    lines = run("jobs_stats").splitlines()
+    assert lines[0].split() == ["backend", "queue", "pending", "delayed", "in_progress", "failed"]
+    table = {tuple(line.split()[:2]): [int(n) for n in line.split()[2:]] for line in lines[1:]}
+    assert table["default", "default"] == [2, 1, 1, 1]
+    assert table["default", "other"] == [1, 0, 0, 0]
+    assert table["pg", "emails"] == [1, 0, 0, 0]
+    assert table["pg", "default"] == [0, 0, 0, 0]
+    assert ("sync", "default") in table
+    assert len(table) == 9  # three backends x three queues
+
+
+# -- jobs_reap -----------------------------------------------------------------------------------------
+
+def test_reap_recovers_expired_leases_and_prints_the_count():
+    retried = scripted.using(max_retries=1).dispatch(action="ok", key="reaped")
+    spent = scripted.using(queue="other").dispatch(action="ok")
+    live = scripted.dispatch(action="ok")
+    backend = Jobs.backend("default")
+    for queue in ("default", "other", "default"):
+        assert backend.fetch(queue) is not None
+    # Two workers "died": their leases ran out. The third is still within its lease.
+    Job.objects.filter(pk__in=[retried, spent]).update(leased_until=timezone.now() - timedelta(seconds=1))
+
+    assert run("jobs_reap") == "reaped 2 expired lease(s)\n"
+    job = Job.objects.get(pk=retried)
+    assert (job.status, job.attempts) == ("pending", 1)  # the lost run counts; a retry is left
+    assert job.last_error.startswith("WorkerLost")
+    job = Job.objects.get(pk=spent)
+    assert (job.status, job.attempts) == ("failed", 1)  # max_retries 0: no retry left
+    assert Job.objects.get(pk=live).status == "in_progress"
+    assert run("jobs_reap") == "reaped 0 expired lease(s)\n"
+    # The requeued job runs again.
+    assert QueueWorker("default").process_once().job_id == retried
+    assert runs("reaped") == 1
+
+
+def test_reap_limited_to_a_queue():
+    on_default = scripted.dispatch(action="ok")
+    on_other = scripted.using(queue="other").dispatch(action="ok")
+    backend = Jobs.backend("default")
+    backend.fetch("default"), backend.fetch("other")
+    Job.objects.update(leased_until=timezone.now() - timedelta(seconds=1))
+    assert run("jobs_reap", "other") == "reaped 1 expired lease(s)\n"
+    assert Job.objects.get(pk=on_other).status == "failed"
+    assert Job.objects.get(pk=on_default).status == "in_progress"
+
+
+def test_reap_on_the_pg_backend(postgres_up):
+    job_id = scripted.using(backend="pg", max_retries=2).dispatch(action="ok")
+    assert Jobs.backend("pg").fetch("default") is not None
+    Job.objects.using("postgres").filter(pk=job_id).update(leased_until=timezone.now() - timedelta(seconds=1))
+    assert run("jobs_reap", "--backend", "pg") == "reaped 1 expired lease(s)\n"
+    assert Job.objects.using("postgres").get(pk=job_id).status == "pending"
