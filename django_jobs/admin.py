@@ -58,10 +58,12 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.action(description="Retry selected failed jobs", permissions=["retry"])
     def retry(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
-        count = operations.retry_jobs(queryset)
-        skipped = queryset.count() - count if count < queryset.count() else 0
-        self.message_user(request, f"Requeued {count} job(s).", messages.SUCCESS)
-        if skipped:
+        outcome = operations.retry_jobs(queryset)
+        for error in outcome.errors:
+            self.message_user(request, error, messages.ERROR)
+        skipped = queryset.count() - outcome.retried - len(outcome.errors)
+        self.message_user(request, f"Requeued {outcome.retried} job(s).", messages.SUCCESS)
+        if skipped > 0:
             self.message_user(request, f"{skipped} selected job(s) were not failed and were left alone.", messages.WARNING)
 
     def get_urls(self) -> list[URLPattern]:

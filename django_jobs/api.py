@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from typing import Any, Generic, ParamSpec, TypeVar
@@ -15,6 +16,8 @@ from .backends.base import QueueBackend
 from .envelope import Envelope, dumps_payload, new_id
 from .exceptions import InvalidPayload, UnknownQueue
 
+# A JSON-escaped U+0000: "\u0000" after an even number of backslashes.
+_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -109,7 +112,10 @@ class JobBuilder:
         queue = opts.get("queue") or conf.default_queue()
         if queue not in conf.queues():
             raise UnknownQueue(f"queue {queue!r} is not in JOBS['QUEUES'] ({', '.join(conf.queues())})")
-        size = len(dumps_payload(self._payload))
+        text = dumps_payload(self._payload)
+        if _ESCAPED_NUL.search(text):
+            raise InvalidPayload("payload contains U+0000, which PostgreSQL cannot store; encode binary data")
+        size = len(text)
         if size > conf.get("MAX_MESSAGE_BYTES"):
             raise InvalidPayload(f"payload of {size} bytes exceeds JOBS['MAX_MESSAGE_BYTES']")
         options = {k: opts[k] for k in ("backoff", "retry_on", "single_instance") if opts.get(k)}

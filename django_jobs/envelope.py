@@ -79,9 +79,10 @@ class Envelope:
             raise InvalidPayload("message is not a django-jobs envelope (v1)")
         available_at = data.get("available_at")
         if available_at is not None:
-            if not isinstance(available_at, (int, float)):
-                raise InvalidPayload("available_at must be a timestamp")
-            data["available_at"] = datetime.fromtimestamp(available_at, tz=timezone.utc)
+            try:
+                data["available_at"] = datetime.fromtimestamp(available_at, tz=timezone.utc)
+            except (TypeError, ValueError, OverflowError, OSError) as exc:
+                raise InvalidPayload(f"available_at is not a usable timestamp: {exc}") from exc
         return cls.from_dict(data)
 
     @classmethod

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
+from django.db import router
 from django.db.models import QuerySet
 from django.utils import timezone
 
@@ -27,38 +30,82 @@ def parse_age(text: str) -> timedelta:
     return timedelta(seconds=float(match[1]) * _UNITS[match[2]])
 
 
+def job_aliases() -> list[str]:
+    """Every database holding ``Job`` rows: the router's (audit copies) and each database backend's."""
+    aliases = [router.db_for_write(Job)]
+    for name in conf.get("BACKENDS") or {}:
+        try:
+            backend = get_backend(name)
+        except ImproperlyConfigured:
+            continue  # reported by the system checks
+        if isinstance(backend, DatabaseBackend) and backend.alias not in aliases:
+            aliases.append(backend.alias)
+    return aliases
+
+
 def purge(status: str, queue: str | None = None, before: timedelta | None = None, dry_run: bool = False) -> int:
     """Delete finished jobs (``completed`` or ``failed``), optionally older than ``before``."""
     if status not in (JobStatus.COMPLETED, JobStatus.FAILED):
         raise ValueError("only completed or failed jobs can be purged")
-    jobs = Job.objects.filter(status=status)
-    if queue:
-        jobs = jobs.filter(queue=queue)
-    if before is not None:
-        jobs = jobs.filter(finished_at__lt=timezone.now() - before)
-    return jobs.count() if dry_run else jobs.delete()[0]
+    total = 0
+    for alias in job_aliases():
+        jobs = Job.objects.using(alias).filter(status=status)
+        if queue:
+            jobs = jobs.filter(queue=queue)
+        if before is not None:
+            jobs = jobs.filter(finished_at__lt=timezone.now() - before)
+        total += jobs.count() if dry_run else jobs.delete()[0]
+    return total
 
 
-def retry_jobs(jobs: QuerySet[Job]) -> int:
+@dataclass
+class RetryOutcome:
+    retried: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def retry_by_id(ids: list[str] | None, queue: str | None = None) -> RetryOutcome:
+    """``jobs_retry``: the failed jobs with these ids (every failed job when ``None``), in every database."""
+    outcome = RetryOutcome()
+    for alias in job_aliases():
+        jobs = Job.objects.using(alias).all()
+        if ids is not None:
+            jobs = jobs.filter(pk__in=ids)
+        if queue:
+            jobs = jobs.filter(queue=queue)
+        more = retry_jobs(jobs)
+        outcome.retried += more.retried
+        outcome.errors += more.errors
+    return outcome
+
+
+def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
     """Give failed jobs a fresh start: pending, attempts 0, available now.
 
     A database-backend row is reset in place; an audit copy of a job that failed on another
     backend is re-dispatched to that backend and the copy removed (a new failure re-records it).
+    A job whose backend is no longer configured stays failed and is reported in ``errors``.
     """
     now = timezone.now()
-    retried = 0
+    outcome = RetryOutcome()
     for row in jobs.filter(status=JobStatus.FAILED):
-        backend = get_backend(row.backend)
+        try:
+            backend = get_backend(row.backend)
+        except ImproperlyConfigured as exc:
+            outcome.errors.append(f"job {row.pk} was not retried: {exc}")
+            continue
         if isinstance(backend, DatabaseBackend):
-            retried += Job.objects.using(backend.alias).filter(pk=row.pk, status=JobStatus.FAILED).update(
+            outcome.retried += Job.objects.using(backend.alias).filter(pk=row.pk, status=JobStatus.FAILED).update(
                 status=JobStatus.PENDING, attempts=0, available_at=now, owner_token=None, leased_until=None,
                 finished_at=None, last_error="", updated_at=now,
             )
         else:
             backend.enqueue(envelope_of(row))
-            row.delete()
-            retried += 1
-    return retried
+            # Enqueued first, so a failed push loses nothing; a backend that ran it inline and
+            # recorded a new failure (sync) has changed updated_at, and that record stays.
+            Job.objects.using(row._state.db).filter(pk=row.pk, updated_at=row.updated_at).delete()
+            outcome.retried += 1
+    return outcome
 
 
 def envelope_of(row: Job) -> Envelope:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from decimal import Decimal
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 
 from . import conf
-from .exceptions import BadSignature
+from .exceptions import BadSignature, InvalidPayload
 
 if TYPE_CHECKING:
     from .envelope import Envelope
@@ -29,7 +30,8 @@ def _normal(value: Any) -> Any:
     # Storage may turn 1.0 into 1 or 1e16 into 10000000000000000 (PostgreSQL jsonb, a
     # FloatField): an integral float signs as the integer so the MAC survives the round trip.
     if isinstance(value, float):
-        return int(value) if value.is_integer() else value
+        # Through the decimal text, as the database keeps it: int(1e23) would be 99999999999999991611392.
+        return int(Decimal(repr(value))) if value.is_integer() else value
     if isinstance(value, dict):
         return {k: _normal(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -39,8 +41,12 @@ def _normal(value: Any) -> Any:
 
 def canonical(fields: dict[str, Any]) -> bytes:
     """Canonical JSON of the signed fields: sorted keys, no spaces, UTF-8."""
-    data = {name: _normal(fields.get(name)) for name in SIGNED_FIELDS}
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    try:
+        data = {name: _normal(fields.get(name)) for name in SIGNED_FIELDS}
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return text.encode()
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
+        raise InvalidPayload(f"job fields cannot be signed: {exc}") from exc
 
 
 @lru_cache(maxsize=8)

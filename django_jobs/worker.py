@@ -121,6 +121,8 @@ class QueueWorker:
                 raise BadSignature(f"job {env.id!r} is signed for queue {env.queue!r}, delivered on {queue!r}")
         except BadSignature as exc:
             return self._reject(lease, exc, "jobs_rejected_signature")
+        except InvalidPayload as exc:  # fields no JSON encoder accepts (inf, lone surrogates)
+            return self._reject(lease, exc, "jobs_rejected_payload")
         if env.attempts > env.max_retries:
             # The broker's delivery count says earlier deliveries were lost: the budget is spent.
             return self._dead_letter(
@@ -193,7 +195,7 @@ class QueueWorker:
 
     def _fail(self, lease: Lease, env: Envelope, handler: Any, exc: BaseException) -> WorkerResult:
         text = format_error(exc)
-        if env.attempts < env.max_retries and self._may_retry(handler, env, exc):
+        if env.attempts < env.max_retries and self.backend.supports_retry and self._may_retry(handler, env, exc):
             delay = policy_for(env.options).compute_delay(env.attempts + 2)
             result = self._settle(lease, env, "requeued", self.backend.nack, delay, error=text)
             if result.status == "requeued":

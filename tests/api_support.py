@@ -17,7 +17,7 @@ from django.core.cache.backends.base import DEFAULT_TIMEOUT
 from django.core.cache.backends.locmem import LocMemCache
 from django.test import override_settings
 
-from django_jobs import Jobs, backends, job
+from django_jobs import Jobs, job
 from django_jobs.metrics import get_collector
 from django_jobs.models import Job
 from django_jobs.worker import QueueWorker, WorkerResult
@@ -28,25 +28,12 @@ BACKENDS = ["default", "pg"]  # the database backend on SQLite and on PostgreSQL
 
 # -- settings --------------------------------------------------------------------------------
 
-def _forget_backends() -> None:
-    # Workaround for a django_jobs bug (see test_api.test_override_settings_keeps_the_test_transaction):
-    # every JOBS change calls backends.reset(), which *closes* the Django connection of each built
-    # database backend, and that breaks the transaction pytest-django wraps the test in.
-    # Dropping the instances (without closing them) leaves reset() nothing to close.
-    with backends._lock:
-        backends._instances.clear()
-
-
 @contextmanager
 def jobs_settings(**changes: Any) -> Iterator[None]:
     """``override_settings(JOBS=...)`` on top of the test settings (the override replaces the
     whole dict, so the test backends and queues are copied in)."""
-    _forget_backends()
     with override_settings(JOBS={**settings.JOBS, **changes}):
-        try:
-            yield
-        finally:
-            _forget_backends()
+        yield
 
 
 # -- small accessors ---------------------------------------------------------------------------

@@ -84,11 +84,6 @@ def test_retry_action_leaves_jobs_that_are_not_failed_alone(superuser_client):
     assert any("not failed" in t for t in texts)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: operations.retry_jobs calls get_backend(row.backend) unguarded; a failed audit copy whose "
-    "backend is no longer in JOBS['BACKENDS'] makes the admin retry action crash with "
-    "ImproperlyConfigured (HTTP 500) instead of reporting it and leaving the row failed"
-))
 def test_retry_action_on_a_job_of_a_removed_backend_reports_an_error(superuser_client):
     job_id = scripted.using(max_retries=0).dispatch(action="raise")
     QueueWorker("default").process_once()

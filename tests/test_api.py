@@ -260,10 +260,6 @@ def test_sync_dispatch_inside_a_rolled_back_atomic_never_runs(django_capture_on_
     assert runs("sync-rollback") == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: SPEC 7 says every permanent failure, whatever the backend, is recorded as a failed Job row; "
-    "SyncBackend.abandon() is a no-op, so a sync job that fails for good leaves no row for the admin"
-))
 def test_sync_permanent_failure_is_recorded_as_a_failed_row(django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks(execute=True):
         job_id = scripted.using(backend="sync").dispatch(action="raise", key="sync-fail")
@@ -411,10 +407,6 @@ def test_single_instance_requeues_a_delivery_while_the_lock_is_held(backend, sin
 
 # -- settings are read lazily --------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a JOBS change runs django_jobs.backends.reset(), which calls DatabaseBackend.close() -> "
-    "connections[alias].close() on the shared Django connection, breaking the caller's open transaction"
-))
 def test_override_settings_keeps_the_test_transaction():
     first = scripted.dispatch(action="ok")  # builds the default backend instance
     with override_settings(JOBS={**settings.JOBS, "DEFAULT_MAX_RETRIES": 2}):

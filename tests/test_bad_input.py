@@ -175,11 +175,6 @@ def test_sqlite_json_check_constraint_refuses_garbage():
         raw_update("default", job_id, "payload", "{not json at all")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: SQLite's json_valid() accepts these, but decoding them yields a value canonical() cannot "
-    "encode (inf; a lone surrogate): signing.verify raises ValueError/UnicodeEncodeError out of "
-    "QueueWorker.process, the row stays in_progress and nothing is counted"
-))
 @pytest.mark.parametrize("garbage", ['{"args": [1e999], "kwargs": {}}', '{"args": ["\\ud800"], "kwargs": {}}'])
 def test_json_valid_but_unsignable_sqlite_payload_is_rejected(garbage):
     job_id = scripted.dispatch(action="ok", key="victim")
@@ -268,10 +263,6 @@ def test_non_json_payload_is_refused_at_dispatch(backend, kind):
     assert Job.objects.using(alias(backend)).count() == 0
 
 
-@pytest.mark.xfail(strict=True, raises=UnicodeEncodeError, reason=(
-    "BUG: a str with a lone surrogate (e.g. an os.fsdecode()d file name) passes dumps_payload but "
-    "signing.canonical() raises UnicodeEncodeError instead of InvalidPayload"
-))
 def test_lone_surrogate_is_refused_with_invalid_payload():
     with pytest.raises(InvalidPayload):
         scripted.dispatch(action="file-\udcff.txt")

@@ -66,10 +66,6 @@ def test_purge_dry_run_counts_without_deleting():
     assert Job.objects.filter(status="failed").count() == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: jobs_purge (operations.purge) only deletes from the default database; rows of a database "
-    "backend on another alias (OPTIONS DATABASE) are never purged"
-))
 def test_purge_reaches_a_database_backend_on_another_alias(postgres_up):
     scripted.using(backend="pg").dispatch(action="ok")
     drain(QueueWorker("pg"))
@@ -121,10 +117,6 @@ def test_retry_all_failed_on_one_queue():
     assert Job.objects.filter(status="failed").count() == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: jobs_retry (operations.retry_jobs via the command) only looks at Job.objects on the default "
-    "database; a failed job of a database backend on another alias (OPTIONS DATABASE) is never found"
-))
 def test_retry_reaches_a_database_backend_on_another_alias(postgres_up):
     job_id = scripted.using(backend="pg").dispatch(action="raise")
     drain(QueueWorker("pg"))

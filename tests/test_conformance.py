@@ -414,8 +414,6 @@ def test_reap_delays_the_retry_by_the_jobs_backoff(queue_backend, backend_case):
 @pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
 def test_reap_after_a_short_lease_timeout(queue_backend, backend_case):
     # LEASE_TIMEOUT is read when fetching: a tiny override makes the lease expire for real.
-    # transaction=True because overriding JOBS closes the backends' connections (see the
-    # xfail test below), which a test wrapped in a transaction does not survive.
     require_queue(queue_backend)
     if queue_backend.native_lease:
         pytest.skip("the broker expires leases itself: reap_expired has nothing to do")
@@ -454,13 +452,6 @@ def test_priority_orders_fetches_higher_first_and_fifo_within_a_priority(queue_b
     assert queue_backend.fetch("default") is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: enqueue_many gives every row the same available_at and the claim breaks the tie by "
-        "the random uuid id, so Jobs.bulk() jobs of one priority run in random order, not FIFO"
-    ),
-)
 def test_enqueue_many_keeps_fifo_within_a_priority(queue_backend, backend_case):
     require_queue(queue_backend)
     envs = [make_env(backend_case) for _ in range(8)]  # 8! orders: a lucky pass is ~1 in 40000
@@ -644,17 +635,7 @@ def test_worker_reports_lease_lost_when_its_lease_was_reaped(queue_backend, back
         assert (row.status, row.attempts) == ("pending", 1)  # as the reaper left it
 
 
-def test_permanent_failure_is_recorded_as_a_failed_job_row(queue_backend, backend_case, request):
-    if not holds_messages(queue_backend):
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason=(
-                    "BUG/SPEC 7: the sync backend's abandon() is a no-op, so a job that fails permanently "
-                    "inline leaves no failed Job row for the admin"
-                ),
-            )
-        )
+def test_permanent_failure_is_recorded_as_a_failed_job_row(queue_backend, backend_case):
     key = unique()
     env = enqueue(queue_backend, backend_case, key=key, action="raise", max_retries=0)
     if holds_messages(queue_backend):
@@ -690,14 +671,6 @@ def test_dispatch_inside_a_transaction_pushes_on_commit_unless_transactional(
 
 @pytest.mark.parametrize("alias", ["default", "postgres"])
 @pytest.mark.django_db(databases=["default", "postgres"])
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: override_settings(JOBS=...) fires setting_changed -> backends.reset() -> "
-        "DatabaseBackend.close() closes the Django connection, so a test wrapped in a transaction "
-        "(and any open atomic block) loses its connection"
-    ),
-)
 def test_overriding_jobs_inside_a_transaction_keeps_the_database_usable(alias, request):
     if alias == "postgres":
         request.getfixturevalue("postgres_up")

@@ -156,14 +156,6 @@ def test_from_bytes_rejects_malformed_messages(raw):
         pytest.param(10**400, id="int-too-large-for-float"),
     ],
 )
-@pytest.mark.xfail(
-    strict=True,
-    raises=(OverflowError, ValueError),
-    reason=(
-        "BUG: Envelope.from_bytes calls datetime.fromtimestamp(available_at) outside its try block: "
-        "an out-of-range timestamp raises OverflowError/ValueError instead of InvalidPayload"
-    ),
-)
 def test_from_bytes_rejects_out_of_range_available_at(timestamp):
     with pytest.raises(InvalidPayload):
         Envelope.from_bytes(_with(available_at=timestamp))
@@ -345,7 +337,7 @@ FIELDS = [
 @given(
     fields=st.dictionaries(st.sampled_from(FIELDS), json_values),
     base=st.booleans(),
-    # Timestamps in the range datetime supports; out-of-range ones are the xfail test above.
+    # Timestamps in the range datetime supports; out-of-range ones have their own test above.
     available_at=st.none() | st.floats(min_value=-1e9, max_value=1e10) | json_values,
 )
 def test_envelope_shaped_json_decodes_to_well_typed_envelope_or_raises_invalid_payload(fields, base, available_at):
@@ -418,15 +410,6 @@ def test_integral_floats_still_verify_after_a_database_round_trip(db_backend):
 
 @pytest.mark.django_db(databases=["default", "postgres"])
 @pytest.mark.parametrize("value", [1e23, 2.0**60, 1e300])
-@pytest.mark.xfail(
-    strict=True,
-    raises=BadSignature,
-    reason=(
-        "BUG: signing._normal signs an integral float as int(value), its exact binary value "
-        "(int(1e23) == 99999999999999991611392), but PostgreSQL jsonb keeps the decimal text "
-        "'1e+23' and returns 100000000000000000000000: the signature no longer verifies"
-    ),
-)
 def test_large_integral_floats_still_verify_after_a_postgres_round_trip(value, postgres_up):
     signing.verify(_db_round_trip("pg", {"x": value}))
 
@@ -437,7 +420,7 @@ def test_large_integral_floats_still_verify_after_a_sqlite_round_trip(value):
     signing.verify(_db_round_trip("default", {"x": value}))
 
 
-# Floats of magnitude >= 2**53 are left to the xfail test above (PostgreSQL only).
+# Floats of magnitude >= 2**53 have their own test above (PostgreSQL round trip).
 db_floats = st.floats(allow_nan=False, allow_infinity=False).filter(lambda f: abs(f) < 2**53)
 
 
@@ -450,15 +433,6 @@ def test_numbers_still_verify_after_a_database_round_trip(db_backend, values):
 
 
 @pytest.mark.django_db(databases=["default", "postgres"])
-@pytest.mark.xfail(
-    strict=True,
-    raises=DatabaseError,
-    reason=(
-        "BUG: a JSON-serialisable payload string holding U+0000 reaches PostgreSQL jsonb, which "
-        "refuses it with a raw DataError at dispatch; SPEC 3 wants payload problems refused with a "
-        "clear error (InvalidPayload), and the same payload works on SQLite"
-    ),
-)
 def test_nul_character_in_payload_is_stored_or_refused_clearly_on_postgres(postgres_up):
     try:
         fetched = _db_round_trip("pg", {"text": "a\x00b"})

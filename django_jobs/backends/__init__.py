@@ -63,17 +63,22 @@ def get_backend(name: str | None = None) -> QueueBackend:
     return backend
 
 
-def reset() -> None:
-    """Forget built backends (after fork, or when JOBS changes), closing their connections."""
+def reset(close: bool = True) -> None:
+    """Forget built backends (before fork, or when JOBS changes).
+
+    ``close=False`` keeps connections open: a settings change in a test must not close the
+    Django connection its transaction runs on.
+    """
     with _lock:
-        for backend in _instances.values():
-            backend.close()
+        if close:
+            for backend in _instances.values():
+                backend.close()
         _instances.clear()
 
 
 def _on_setting_changed(setting: str, **kwargs: Any) -> None:
     if setting == "JOBS":
-        reset()
+        reset(close=False)
 
 
 setting_changed.connect(_on_setting_changed)

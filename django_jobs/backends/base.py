@@ -42,6 +42,8 @@ class QueueBackend(ABC):
     native_lease: bool = False
     # abandon() uses the broker's own dead-letter mechanism.
     native_dead_letter: bool = False
+    # A failed run can be requeued for another attempt (the sync backend runs each job once).
+    supports_retry: bool = True
     # Messages survive a restart of the backend.
     persistent: bool = True
     # enqueue() joins the caller's database transaction, so no on_commit deferral is needed.

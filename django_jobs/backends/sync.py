@@ -1,7 +1,8 @@
 """The sync backend: every job runs inline, once, at dispatch (for tests and development).
 
 It goes through the real worker pipeline (signature check, handler allowlist, idempotency,
-timeout) so behaviour matches production; there is no queue, so no retry and no delay.
+timeout) so behaviour matches production; there is no queue, so no retry and no delay. A
+permanent failure is recorded as a failed ``Job`` row (SPEC 7), like every backend's.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from typing import Any
 
 from django.utils import timezone
 
+from ..audit import record_failure
 from ..envelope import Envelope
 from .base import Lease, QueueBackend
 
 
 class SyncBackend(QueueBackend):
     supports_delay = False
+    supports_retry = False
     persistent = False
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
@@ -44,7 +47,8 @@ class SyncBackend(QueueBackend):
         pass
 
     def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
-        pass
+        if lease.envelope is not None:
+            record_failure(lease.envelope, error, self.name, lease.envelope.attempts + int(count_run))
 
     def extend(self, lease: Lease, seconds: float) -> None:
         pass

@@ -5,7 +5,6 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_jobs import operations
-from django_jobs.models import Job
 
 
 class Command(BaseCommand):
@@ -19,7 +18,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **opts: Any) -> None:
         if bool(opts["ids"]) == opts["all_failed"]:
             raise CommandError("give job ids or --all-failed (not both)")
-        jobs = Job.objects.filter(pk__in=opts["ids"]) if opts["ids"] else Job.objects.all()
-        if opts["queue"]:
-            jobs = jobs.filter(queue=opts["queue"])
-        self.stdout.write(f"retried {operations.retry_jobs(jobs)} job(s)")
+        outcome = operations.retry_by_id(opts["ids"] or None, opts["queue"])
+        for error in outcome.errors:
+            self.stderr.write(error)
+        self.stdout.write(f"retried {outcome.retried} job(s)")
