@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 
 class JobsError(Exception):
     """Base class of every django-jobs error."""
@@ -33,3 +35,8 @@ class UnknownQueue(JobsError, ValueError):
 
 class WorkerLost(JobsError):
     """The lease expired while the job was running: its worker crashed or stalled."""
+
+    @staticmethod
+    def describe(expired_at: datetime) -> str:
+        """The ``last_error`` of a reaped job."""
+        return f"WorkerLost: lease expired at {expired_at.isoformat()} (worker crashed or stalled)"

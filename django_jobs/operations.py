@@ -55,6 +55,12 @@ def purge(status: str, queue: str | None = None, before: timedelta | None = None
         if before is not None:
             jobs = jobs.filter(finished_at__lt=timezone.now() - before)
         total += jobs.count() if dry_run else jobs.delete()[0]
+    if status == JobStatus.FAILED and not dry_run:
+        # Brokers keep their own failed set too (the Job rows above are their audit copies).
+        for name in conf.get("BACKENDS") or {}:
+            backend = get_backend(name)
+            for q in [queue] if queue else conf.queues():
+                backend.purge_failed(q, before)
     return total
 
 
@@ -119,9 +125,11 @@ def envelope_of(row: Job) -> Envelope:
 
 def stats(backend_names: list[str] | None = None) -> list[dict[str, Any]]:
     """One row per backend and queue: pending, delayed, in_progress, failed."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in backend_names or list(conf.get("BACKENDS")):
-        backend = get_backend(name)
         for queue in conf.queues():
-            rows.append({"backend": name, "queue": queue, **backend.stats(queue)})
+            try:
+                rows.append({"backend": name, "queue": queue, **get_backend(name).stats(queue)})
+            except Exception as exc:  # one unreachable broker must not hide the others
+                rows.append({"backend": name, "queue": queue, "error": f"{type(exc).__name__}: {exc}"})
     return rows

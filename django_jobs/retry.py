@@ -81,6 +81,9 @@ def policy_for(options: dict[str, Any] | None) -> RetryPolicy:
     return RetryPolicy.from_settings()
 
 
-def lost_run_delay(attempts: int, options: dict[str, Any] | None) -> float:
-    """Delay before re-running a job whose run ``attempts + 1`` failed or was lost."""
+def after_lost_run(attempts: int, max_retries: int, options: dict[str, Any] | None) -> float | None:
+    """A lost lease counts as a failed run: the delay before the job runs again, or ``None``
+    when that run used up its retries (the job fails)."""
+    if attempts + 1 > max_retries:
+        return None
     return policy_for(options).compute_delay(attempts + 2)

@@ -330,7 +330,7 @@ class QueueWorker:
                         budget.give_back()
                     if once:
                         break
-                    self._sleep(sleep, deadline)
+                    self._idle(sleep, deadline)
                     continue
                 done += 1
                 if on_result is not None:
@@ -340,6 +340,17 @@ class QueueWorker:
         finally:
             self.heartbeat.stop()
         return done
+
+    def _idle(self, seconds: float, deadline: float | None) -> None:
+        """After an empty fetch: block on the backend where it can, else sleep."""
+        if deadline is not None:
+            seconds = min(seconds, max(deadline - time.monotonic(), 0))
+        try:
+            if self.backend.wait_for_work(self.queues, seconds):
+                return
+        except Exception:
+            logger.warning("worker: waiting for work failed", exc_info=True)
+        self._sleep(seconds, deadline)
 
     def _sleep(self, seconds: float, deadline: float | None) -> None:
         end = time.monotonic() + seconds

@@ -54,6 +54,12 @@ def _db_record(backend: Any, job_id: str) -> Job | None:
     return Job.objects.using(backend.alias).filter(pk=job_id).first()
 
 
+def _redis_expire(backend: Any, lease: Lease) -> None:
+    processing = backend.keys(lease.queue)[2]
+    past_ms = (timezone.now() - timedelta(seconds=5)).timestamp() * 1000
+    assert backend.client.zadd(processing, {lease.token: past_ms}, xx=True, ch=True) == 1
+
+
 BACKEND_PARAMS = [
     pytest.param(
         BackendCase("default", expire=_db_expire, record=_db_record),
@@ -66,6 +72,7 @@ BACKEND_PARAMS = [
         marks=[DB, pytest.mark.postgres],
     ),
     pytest.param(BackendCase("sync"), id="sync", marks=[DB]),
+    pytest.param(BackendCase("redis", fixtures=("redis_up",), expire=_redis_expire), id="redis", marks=[DB]),
 ]
 
 

@@ -41,6 +41,32 @@ def postgres_up() -> None:
     require_service("PostgreSQL", *postgres_reachable())
 
 
+def redis_reachable() -> tuple[bool, str]:
+    import redis
+    from django.conf import settings
+
+    try:
+        redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=3).ping()
+        return True, ""
+    except Exception as exc:  # noqa: BLE001
+        return False, str(exc)
+
+
+@pytest.fixture
+def redis_up():
+    """Redis is reachable, and this session's keys are gone before the test starts."""
+    import redis
+    from django.conf import settings
+
+    require_service("Redis", *redis_reachable())
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    stale = list(client.scan_iter(match=f"{settings.REDIS_PREFIX}:*", count=1000))
+    if stale:
+        client.delete(*stale)
+    yield client
+    client.close()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_metrics():
     from django_jobs.metrics import get_collector

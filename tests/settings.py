@@ -64,11 +64,17 @@ DATABASES = {
 
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
+# Redis: a dedicated DB number, and a key prefix per test session that worker subprocesses
+# inherit through the environment, so concurrent runs never see each other's keys.
+REDIS_URL = os.environ.get("JOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
+REDIS_PREFIX = os.environ.setdefault("JOBS_TEST_REDIS_PREFIX", f"djt{os.getpid()}")
+
 JOBS = {
     "BACKENDS": {
         "default": {"ENGINE": "database", "OPTIONS": {"DATABASE": "default"}},
         "pg": {"ENGINE": "database", "OPTIONS": {"DATABASE": "postgres"}},
         "sync": {"ENGINE": "sync"},
+        "redis": {"ENGINE": "redis", "OPTIONS": {"URL": REDIS_URL, "PREFIX": REDIS_PREFIX}},
     },
     "QUEUES": ["default", "other", "emails"],
     "POLL_INTERVAL": 0.05,

@@ -7,7 +7,9 @@ from datetime import timedelta
 from io import StringIO
 
 import pytest
+from django.conf import settings
 from django.core.management import CommandError, call_command
+from django.test import override_settings
 from django.utils import timezone
 
 from django_jobs import Jobs
@@ -155,7 +157,7 @@ def test_stats_json_matches_the_rows():
         "backend": "default", "queue": "emails", "pending": 0, "delayed": 0, "in_progress": 0, "failed": 0}
 
 
-def test_stats_table_covers_every_backend(postgres_up):
+def test_stats_table_covers_every_backend(postgres_up, redis_up):
     make_stats_rows()
     scripted.using(backend="pg", queue="emails").dispatch(action="ok")
     lines = run("jobs_stats").splitlines()
@@ -166,7 +168,16 @@ def test_stats_table_covers_every_backend(postgres_up):
     assert table["pg", "emails"] == [1, 0, 0, 0]
     assert table["pg", "default"] == [0, 0, 0, 0]
     assert ("sync", "default") in table
-    assert len(table) == 9  # three backends x three queues
+    assert table["redis", "default"] == [0, 0, 0, 0]
+    assert len(table) == len(settings.JOBS["BACKENDS"]) * len(settings.JOBS["QUEUES"])
+
+
+@override_settings(JOBS={**settings.JOBS, "BACKENDS": {
+    **settings.JOBS["BACKENDS"], "down": {"ENGINE": "redis", "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}}}})
+def test_stats_reports_an_unreachable_backend_and_still_shows_the_others():
+    lines = run("jobs_stats").splitlines()
+    assert any(line.startswith("down") and "unavailable: ConnectionError" in line for line in lines)
+    assert any(line.split()[:2] == ["default", "default"] for line in lines)
 
 
 # -- jobs_reap -----------------------------------------------------------------------------------------

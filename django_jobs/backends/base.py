@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
@@ -97,6 +97,20 @@ class QueueBackend(ABC):
     def stats(self, queue: str) -> dict[str, int]:
         """Counts for ``jobs_stats``: pending, delayed, in_progress, failed."""
         return {"pending": self.size(queue), "delayed": 0, "in_progress": 0, "failed": 0}
+
+    def purge_failed(self, queue: str, older_than: timedelta | None = None) -> int:
+        """Forget failed messages kept by the broker itself (``jobs_purge --status failed``).
+
+        Backends whose failures live only in the ``Job`` table have nothing to do.
+        """
+        return 0
+
+    def wait_for_work(self, queues: list[str], timeout: float) -> bool:
+        """Block until a message may be ready on ``queues`` or ``timeout`` passes.
+
+        Returns ``False`` when the backend cannot block, and the worker sleeps instead.
+        """
+        return False
 
     def close(self) -> None:
         """Release connections (called on worker shutdown and after fork)."""

@@ -23,7 +23,7 @@ from .. import conf
 from ..envelope import Envelope
 from ..exceptions import InvalidPayload, LeaseLost, WorkerLost
 from ..models import Job, JobStatus
-from ..retry import lost_run_delay
+from ..retry import after_lost_run
 from .base import Lease, QueueBackend
 
 TABLE = Job._meta.db_table
@@ -209,18 +209,15 @@ class DatabaseBackend(QueueBackend):
             expired = expired.filter(queue=queue)
         reaped = 0
         for job in expired.only("id", "owner_token", "attempts", "max_retries", "options", "leased_until"):
-            error = f"{WorkerLost.__name__}: lease expired at {job.leased_until.isoformat()} (worker crashed or stalled)"
-            runs = job.attempts + 1
-            if runs <= job.max_retries:
-                changes = {
-                    "status": JobStatus.PENDING,
-                    "available_at": now + timedelta(seconds=lost_run_delay(job.attempts, job.options)),
-                }
-            else:
+            error = WorkerLost.describe(job.leased_until)
+            delay = after_lost_run(job.attempts, job.max_retries, job.options)
+            if delay is None:
                 changes = {"status": JobStatus.FAILED, "finished_at": now}
+            else:
+                changes = {"status": JobStatus.PENDING, "available_at": now + timedelta(seconds=delay)}
             # Fenced on the owner token we read: a concurrent reaper or a late ack wins cleanly.
             reaped += jobs.filter(pk=job.pk, owner_token=job.owner_token, status=JobStatus.IN_PROGRESS).update(
-                attempts=runs, owner_token=None, leased_until=None, last_error=error, updated_at=now, **changes
+                attempts=job.attempts + 1, owner_token=None, leased_until=None, last_error=error, updated_at=now, **changes
             )
         return reaped
 

@@ -24,4 +24,7 @@ class Command(BaseCommand):
             return
         self.stdout.write("".join(f"{c:<14}" for c in COLUMNS).rstrip())
         for row in rows:
-            self.stdout.write("".join(f"{row[c]!s:<14}" for c in COLUMNS).rstrip())
+            if "error" in row:
+                self.stdout.write(f"{row['backend']:<14}{row['queue']:<14}unavailable: {row['error']}")
+            else:
+                self.stdout.write("".join(f"{row[c]!s:<14}" for c in COLUMNS).rstrip())

@@ -1,0 +1,226 @@
+"""The Redis backend: every state change is one atomic Lua script (``backends/lua/*.lua``).
+
+Per queue: a waiting zset (priority, then FIFO), a delayed zset (due time), a processing zset
+(lease deadlines) with an owners hash (fencing tokens), a failed zset kept for audit, and the
+message bodies. An idle worker blocks on a notify list instead of polling.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
+from functools import cache
+from importlib.resources import files
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+
+from .. import conf
+from ..audit import record_failure
+from ..envelope import Envelope
+from ..exceptions import InvalidPayload, LeaseLost, WorkerLost
+from ..retry import after_lost_run
+from . import require
+from .base import Lease, QueueBackend, decode_lease_body
+
+redis = require("redis", "redis")
+
+KINDS = ("waiting", "delayed", "processing", "owners", "bodies", "priorities", "sequence", "notify", "failed", "errors")
+SCRIPTS = ("enqueue", "fetch", "ack", "nack", "abandon", "extend", "reap")
+# Priorities share a float64 score with a 40-bit sequence number: keep them exact.
+PRIORITY_LIMIT = 8000
+REAP_BATCH = 500
+
+
+@cache
+def _source(name: str) -> str:
+    lua = files("django_jobs.backends") / "lua"
+    return (lua / "common.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+
+
+def _ms(moment: float | None = None) -> int:
+    return int((time.time() if moment is None else moment) * 1000)
+
+
+def _from_ms(ms: float) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, tz=dt_timezone.utc)
+
+
+class RedisBackend(QueueBackend):
+    """Options: ``URL`` (``redis://...``) or ``CACHE`` (a django-redis cache alias whose pool is
+    reused), ``PREFIX`` (default ``django_jobs``)."""
+
+    supports_priority = True
+
+    def __init__(self, name: str, options: dict[str, Any]) -> None:
+        super().__init__(name, options)
+        self.prefix = options.get("PREFIX", "django_jobs")
+        self._client: Any = None
+        self._scripts: dict[str, Any] = {}
+        self._next_due: dict[str, float] = {}
+
+    # -- connection --
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = self._connect()
+            self._scripts = {name: self._client.register_script(_source(name)) for name in SCRIPTS}
+        return self._client
+
+    def _connect(self) -> Any:
+        if self.options.get("CACHE"):
+            try:
+                from django_redis import get_redis_connection
+            except ImportError as exc:
+                raise ImproperlyConfigured("OPTIONS['CACHE'] needs django-redis: pip install 'django-jobs[redis]'") from exc
+            return get_redis_connection(self.options["CACHE"])
+        url = self.options.get("URL")
+        if not url:
+            raise ImproperlyConfigured(f"redis backend {self.name!r} needs OPTIONS['URL'] or OPTIONS['CACHE']")
+        return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+
+    def close(self) -> None:
+        if self._client is not None and not self.options.get("CACHE"):
+            self._client.connection_pool.disconnect()
+        self._client = None
+
+    def keys(self, queue: str) -> list[str]:
+        # The {queue} hash tag keeps one queue's keys in one Redis Cluster slot.
+        return [f"{self.prefix}:{{{queue}}}:{kind}" for kind in KINDS]
+
+    def _run(self, script: str, queue: str, *args: Any, client: Any = None) -> Any:
+        self.client  # noqa: B018  (connects and registers the scripts)
+        return self._scripts[script](keys=self.keys(queue), args=list(args), client=client)
+
+    def _fenced(self, script: str, lease: Lease, *args: Any) -> None:
+        if not self._run(script, lease.queue, lease.token, lease.owner_token, *args):
+            raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
+
+    # -- protocol --
+
+    def _push(self, envelope: Envelope, client: Any = None) -> Any:
+        due = envelope.available_at.timestamp() if envelope.available_at else 0
+        priority = max(-PRIORITY_LIMIT, min(PRIORITY_LIMIT, envelope.priority))
+        return self._run("enqueue", envelope.queue, envelope.id, envelope.to_bytes(), priority,
+                         _ms(due), _ms(), client=client)
+
+    def enqueue(self, envelope: Envelope) -> str:
+        self._push(envelope)
+        return envelope.id
+
+    def enqueue_many(self, envelopes: list[Envelope]) -> list[str]:
+        pipe = self.client.pipeline(transaction=False)
+        for envelope in envelopes:
+            self._push(envelope, client=pipe)
+        pipe.execute()
+        return [e.id for e in envelopes]
+
+    def fetch(self, queue: str) -> Lease | None:
+        owner = secrets.token_hex(16)
+        lease_seconds = conf.get("LEASE_TIMEOUT")
+        now = time.time()
+        job_id, body = self._run("fetch", queue, _ms(now), _ms(now + lease_seconds), owner)
+        if job_id is None:
+            self._next_due[queue] = float(body) / 1000 if body is not None else 0.0
+            return None
+        token = job_id.decode()
+        lease = Lease(token=token, owner_token=owner, expires_at=_from_ms(_ms(now + lease_seconds)), queue=queue)
+        if body is None:
+            lease.error = InvalidPayload(f"message {token!r} has no body")
+        else:
+            lease.envelope, lease.error = decode_lease_body(body)
+        return lease
+
+    def ack(self, lease: Lease, *, count_run: bool = True) -> None:
+        self._fenced("ack", lease)
+
+    def nack(self, lease: Lease, delay: float, *, error: str = "", count_run: bool = True) -> None:
+        env = lease.envelope
+        assert env is not None, "only a decoded message can be requeued"
+        due = time.time() + max(delay, 0)
+        again = env.next_attempt() if count_run else env
+        again.available_at = _from_ms(_ms(due))
+        self._fenced("nack", lease, again.to_bytes(), _ms(due), _ms(), error)
+
+    def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
+        env = lease.envelope
+        body = b"" if env is None else (env.next_attempt() if count_run else env).to_bytes()
+        self._fenced("abandon", lease, body, _ms(), error)
+        if env is not None:
+            record_failure(env, error, self.name, env.attempts + int(count_run))
+
+    def extend(self, lease: Lease, seconds: float) -> None:
+        deadline = _ms(time.time() + seconds)
+        self._fenced("extend", lease, deadline)
+        lease.expires_at = _from_ms(deadline)
+
+    def reap_expired(self, queue: str | None = None) -> int:
+        """Each expired lease counts as a failed run: requeued with backoff, or failed."""
+        return sum(self._reap_queue(q) for q in ([queue] if queue else conf.queues()))
+
+    def _reap_queue(self, queue: str) -> int:
+        keys = self.keys(queue)
+        now = _ms()
+        ids = self.client.zrangebyscore(keys[2], "-inf", now, start=0, num=REAP_BATCH, withscores=True)
+        if not ids:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hmget(keys[3], [i for i, _ in ids])
+        pipe.hmget(keys[4], [i for i, _ in ids])
+        owners, bodies = pipe.execute()
+        reaped = 0
+        for (job_id, deadline), owner, body in zip(ids, owners, bodies):
+            error = WorkerLost.describe(_from_ms(deadline))
+            env, _ = decode_lease_body(body) if body is not None else (None, None)
+            delay = None if env is None else after_lost_run(env.attempts, env.max_retries, env.options)
+            if env is None:  # undecodable: nothing to retry, keep it failed for audit
+                action, new_body, due = "fail", b"", 0
+            else:
+                again = env.next_attempt()
+                action = "fail" if delay is None else "retry"
+                due = _ms(time.time() + (delay or 0))
+                new_body = again.to_bytes()
+            if self._run("reap", queue, job_id, owner or b"", now, action, new_body, due, error):
+                reaped += 1
+                if env is not None and action == "fail":
+                    record_failure(env, error, self.name, env.attempts + 1)
+        return reaped
+
+    def wait_for_work(self, queues: list[str], timeout: float) -> bool:
+        """Block on the queues' notify lists, waking early for the next delayed message."""
+        now = time.time()
+        dues = [d for d in (self._next_due.get(q, 0.0) for q in queues) if d]
+        if dues:
+            timeout = min(timeout, max(min(dues) - now, 0.0))
+        if timeout < 0.01:
+            return True
+        self.client.blpop([self.keys(q)[7] for q in queues], timeout=timeout)
+        return True
+
+    def size(self, queue: str) -> int:
+        counts = self.stats(queue)
+        return counts["pending"] + counts["delayed"] + counts["in_progress"]
+
+    def stats(self, queue: str) -> dict[str, int]:
+        keys = self.keys(queue)
+        pipe = self.client.pipeline(transaction=False)
+        for index in (0, 1, 2, 8):
+            pipe.zcard(keys[index])
+        waiting, delayed, processing, failed = pipe.execute()
+        return {"pending": waiting, "delayed": delayed, "in_progress": processing, "failed": failed}
+
+    def purge_failed(self, queue: str, older_than: timedelta | None = None) -> int:
+        keys = self.keys(queue)
+        limit = _ms(time.time() - older_than.total_seconds()) if older_than else "+inf"
+        ids = self.client.zrangebyscore(keys[8], "-inf", limit)
+        if ids:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.zrem(keys[8], *ids)
+            pipe.hdel(keys[9], *ids)
+            pipe.hdel(keys[4], *ids)
+            pipe.hdel(keys[5], *ids)
+            pipe.execute()
+        return len(ids)
