@@ -73,6 +73,7 @@ BACKEND_PARAMS = [
     ),
     pytest.param(BackendCase("sync"), id="sync", marks=[DB]),
     pytest.param(BackendCase("redis", fixtures=("redis_up",), expire=_redis_expire), id="redis", marks=[DB]),
+    pytest.param(BackendCase("beanstalk", fixtures=("beanstalk_up",)), id="beanstalk", marks=[DB]),
 ]
 
 

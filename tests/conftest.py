@@ -67,6 +67,64 @@ def redis_up():
     client.close()
 
 
+def _beanstalk_reachable(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def beanstalkd_server():
+    """The test beanstalkd: the one scripts/services started, or one started here if none runs."""
+    import shutil
+    import subprocess
+    import tempfile
+    import time
+
+    from django.conf import settings
+
+    host, port = settings.BEANSTALK_HOST, int(settings.BEANSTALK_PORT)
+    started = None
+    if not _beanstalk_reachable(host, port) and shutil.which("beanstalkd"):
+        binlog = tempfile.mkdtemp(prefix="beanstalkd-")
+        started = subprocess.Popen(["beanstalkd", "-l", host, "-p", str(port), "-b", binlog])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not _beanstalk_reachable(host, port):
+            time.sleep(0.05)
+    require_service("beanstalkd", _beanstalk_reachable(host, port), f"{host}:{port} (apt-get install beanstalkd)")
+    yield host, port
+    if started is not None:
+        started.terminate()
+        started.wait(10)
+
+
+@pytest.fixture
+def beanstalk_up(beanstalkd_server):
+    """beanstalkd is up, and this session's tubes are empty before the test starts."""
+    import greenstalk
+    from django.conf import settings
+
+    from django_jobs import backends
+
+    # Close the previous test's connections: beanstalkd releases the jobs they still reserve.
+    backends.get_backend("beanstalk").close()
+    backends.reset(close=False)
+    for queue in settings.JOBS["QUEUES"]:
+        tube = f"{settings.BEANSTALK_PREFIX}.{queue}"
+        with greenstalk.Client(beanstalkd_server, encoding=None, use=tube, watch=tube) as client:
+            for peek in (client.peek_ready, client.peek_delayed, client.peek_buried):
+                while True:
+                    try:
+                        client.delete(peek())
+                    except greenstalk.NotFoundError:
+                        break
+    yield beanstalkd_server
+
+
 @pytest.fixture(autouse=True)
 def _fresh_metrics():
     from django_jobs.metrics import get_collector

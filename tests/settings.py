@@ -68,6 +68,9 @@ CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"
 # inherit through the environment, so concurrent runs never see each other's keys.
 REDIS_URL = os.environ.get("JOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
 REDIS_PREFIX = os.environ.setdefault("JOBS_TEST_REDIS_PREFIX", f"djt{os.getpid()}")
+# beanstalkd (scripts/services starts it; the beanstalk_up fixture too): tubes named per session.
+BEANSTALK_HOST, _, BEANSTALK_PORT = os.environ.get("JOBS_TEST_BEANSTALK", "127.0.0.1:11300").partition(":")
+BEANSTALK_PREFIX = os.environ.setdefault("JOBS_TEST_BEANSTALK_PREFIX", f"djt{os.getpid()}")
 
 JOBS = {
     "BACKENDS": {
@@ -75,6 +78,8 @@ JOBS = {
         "pg": {"ENGINE": "database", "OPTIONS": {"DATABASE": "postgres"}},
         "sync": {"ENGINE": "sync"},
         "redis": {"ENGINE": "redis", "OPTIONS": {"URL": REDIS_URL, "PREFIX": REDIS_PREFIX}},
+        "beanstalk": {"ENGINE": "beanstalk", "OPTIONS": {
+            "HOST": BEANSTALK_HOST, "PORT": int(BEANSTALK_PORT), "PREFIX": BEANSTALK_PREFIX}},
     },
     "QUEUES": ["default", "other", "emails"],
     "POLL_INTERVAL": 0.05,

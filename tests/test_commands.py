@@ -157,7 +157,7 @@ def test_stats_json_matches_the_rows():
         "backend": "default", "queue": "emails", "pending": 0, "delayed": 0, "in_progress": 0, "failed": 0}
 
 
-def test_stats_table_covers_every_backend(postgres_up, redis_up):
+def test_stats_table_covers_every_backend(postgres_up, redis_up, beanstalk_up):
     make_stats_rows()
     scripted.using(backend="pg", queue="emails").dispatch(action="ok")
     lines = run("jobs_stats").splitlines()
