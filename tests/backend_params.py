@@ -16,6 +16,7 @@ Tests skip on capabilities only — the backend's flags (``persistent``, ``suppo
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,6 +32,9 @@ from django_jobs.models import Job
 # and the worker tests count side effects and look up failed rows in either alias. A test may
 # still override this mark with its own (e.g. transaction=True): the decorator's mark wins.
 DB = pytest.mark.django_db(databases=["default", "postgres"])
+# Tests that carry their own mark (transaction=True) list every database a param may use; the
+# MariaDB one only where its driver is installed (its param skips, or fails under CI, otherwise).
+ALL_DATABASES = ["default", "postgres"] + (["mariadb"] if importlib.util.find_spec("MySQLdb") else [])
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,11 @@ BACKEND_PARAMS = [
         BackendCase("pg", fixtures=("postgres_up",), expire=_db_expire, record=_db_record, side_effect_db="postgres"),
         id="database-postgres",
         marks=[DB, pytest.mark.postgres],
+    ),
+    pytest.param(
+        BackendCase("maria", fixtures=("mariadb_up",), expire=_db_expire, record=_db_record),
+        id="database-mariadb",
+        marks=[pytest.mark.django_db(databases=ALL_DATABASES)],
     ),
     pytest.param(BackendCase("sync"), id="sync", marks=[DB]),
     pytest.param(BackendCase("redis", fixtures=("redis_up",), expire=_redis_expire), id="redis", marks=[DB]),

@@ -41,6 +41,27 @@ def postgres_up() -> None:
     require_service("PostgreSQL", *postgres_reachable())
 
 
+def mariadb_reachable() -> tuple[bool, str]:
+    from django.conf import settings
+
+    db = settings.DATABASES["mariadb"]
+    try:
+        import MySQLdb
+    except ImportError:
+        return False, "mysqlclient is not installed (scripts/bootstrap installs it with libmariadb-dev)"
+    try:
+        MySQLdb.connect(host=db["HOST"], port=int(db["PORT"]), user=db["USER"], passwd=db["PASSWORD"],
+                        connect_timeout=3).close()
+        return True, ""
+    except Exception as exc:  # noqa: BLE001
+        return False, str(exc)
+
+
+@pytest.fixture(scope="session")
+def mariadb_up() -> None:
+    require_service("MariaDB", *mariadb_reachable())
+
+
 def redis_reachable() -> tuple[bool, str]:
     import redis
     from django.conf import settings

@@ -11,6 +11,7 @@ BASE = Path(__file__).resolve().parent
 SUBPROCESS = os.environ.get("JOBS_TEST_SUBPROCESS") == "1"
 SQLITE_TEST = os.environ.get("JOBS_TEST_SQLITE", str(BASE.parent / ".test-default.sqlite3"))
 PG_TEST = os.environ.get("JOBS_TEST_PG_TEST_NAME", "test_django_jobs")
+MARIA_TEST = os.environ.get("JOBS_TEST_MARIA_TEST_NAME", PG_TEST)
 
 SECRET_KEY = "tests-only-secret-key-not-for-production"
 DEBUG = False
@@ -60,6 +61,17 @@ DATABASES = {
         "PORT": os.environ.get("JOBS_TEST_PG_PORT", "5432"),
         "TEST": {"NAME": PG_TEST},
     },
+    # MariaDB/MySQL: the claim runs SELECT ... FOR UPDATE SKIP LOCKED inside a transaction.
+    "mariadb": {
+        "ENGINE": "django.db.backends.mysql",
+        "NAME": MARIA_TEST if SUBPROCESS else os.environ.get("JOBS_TEST_MARIA_NAME", "test"),
+        "USER": os.environ.get("JOBS_TEST_MARIA_USER", "root"),
+        "PASSWORD": os.environ.get("JOBS_TEST_MARIA_PASSWORD", ""),
+        "HOST": os.environ.get("JOBS_TEST_MARIA_HOST", "127.0.0.1"),
+        "PORT": os.environ.get("JOBS_TEST_MARIA_PORT", "3306"),
+        "TEST": {"NAME": MARIA_TEST, "CHARSET": "utf8mb4", "COLLATION": "utf8mb4_bin"},
+        "OPTIONS": {"charset": "utf8mb4"},
+    },
 }
 
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
@@ -76,6 +88,7 @@ JOBS = {
     "BACKENDS": {
         "default": {"ENGINE": "database", "OPTIONS": {"DATABASE": "default"}},
         "pg": {"ENGINE": "database", "OPTIONS": {"DATABASE": "postgres"}},
+        "maria": {"ENGINE": "database", "OPTIONS": {"DATABASE": "mariadb"}},
         "sync": {"ENGINE": "sync"},
         "redis": {"ENGINE": "redis", "OPTIONS": {"URL": REDIS_URL, "PREFIX": REDIS_PREFIX}},
         "beanstalk": {"ENGINE": "beanstalk", "OPTIONS": {
