@@ -45,6 +45,9 @@ class BackendCase:
     record: Callable[[QueueBackend, str], Job | None] | None = None
     # Database alias where scripted jobs of this case record SideEffect rows.
     side_effect_db: str = "default"
+    # A JOBS["BACKENDS"] entry to add for this case only (kept out of the shared test settings,
+    # so commands that visit every backend do not reach this one's database).
+    config: dict[str, Any] | None = None
 
 
 def _db_expire(backend: Any, lease: Lease) -> None:
@@ -76,7 +79,10 @@ BACKEND_PARAMS = [
         marks=[DB, pytest.mark.postgres],
     ),
     pytest.param(
-        BackendCase("maria", fixtures=("mariadb_up",), expire=_db_expire, record=_db_record),
+        BackendCase(
+            "maria", fixtures=("mariadb_up",), expire=_db_expire, record=_db_record,
+            config={"ENGINE": "database", "OPTIONS": {"DATABASE": "mariadb"}},
+        ),
         id="database-mariadb",
         marks=[pytest.mark.django_db(databases=ALL_DATABASES)],
     ),

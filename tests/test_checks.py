@@ -8,6 +8,7 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
 from tests.api_support import jobs_settings
+from tests.backend_params import ALL_DATABASES
 
 # Django's own model checks ask the database whether it supports JSONField.
 pytestmark = pytest.mark.django_db
@@ -30,8 +31,10 @@ def only(errors: list[checks.CheckMessage], check_id: str, *fragments: str) -> c
     return error
 
 
+@pytest.mark.django_db(databases=ALL_DATABASES)
 def test_the_test_settings_pass_every_check():
-    assert checks.run_checks() == []
+    # Model checks ask every configured database for its features (MariaDB: partial indexes).
+    assert [m for m in checks.run_checks() if not m.is_silenced()] == []
 
 
 def test_defaults_pass():

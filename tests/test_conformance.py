@@ -13,6 +13,7 @@ import time
 import uuid
 from dataclasses import asdict, replace
 from datetime import timedelta
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -46,13 +47,18 @@ def backend_case(request: pytest.FixtureRequest) -> BackendCase:
 
 
 @pytest.fixture
-def queue_backend(backend_case: BackendCase) -> QueueBackend:
+def queue_backend(backend_case: BackendCase) -> Iterator[QueueBackend]:
     """The backend instance configured as ``backend_case.name``, with DB access granted.
 
     ``get_backend`` builds it for the current settings (its cache is dropped whenever JOBS
     changes); queue state lives in the test databases, which roll back after each test.
     """
-    return get_backend(backend_case.name)
+    if backend_case.config is None:
+        yield get_backend(backend_case.name)
+        return
+    backends_config = {**settings.JOBS["BACKENDS"], backend_case.name: backend_case.config}
+    with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends_config}):
+        yield get_backend(backend_case.name)
 
 
 # -- helpers --
