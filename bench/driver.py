@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 for entry in (str(HERE), str(HERE.parent)):
     if entry not in sys.path:
-        sys.path.insert(0, entry)
+        sys.path.append(entry)  # after PYTHONPATH, so run.py --ref can put an exported django_jobs first
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
 
 import django  # noqa: E402

@@ -51,10 +51,34 @@ class BenchError(RuntimeError):
 # --- subprocess helpers ------------------------------------------------------
 
 
-def base_env(args: argparse.Namespace) -> dict[str, str]:
+def git(*argv: str) -> str:
+    proc = subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BenchError(f"git {' '.join(argv)}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def django_jobs_source(args: argparse.Namespace, tmpdir: Path) -> tuple[list[str], dict]:
+    """Where the subprocesses import django_jobs from: the working tree, or ``--ref`` exported."""
+    if not args.ref:
+        try:
+            dirty = bool(git("status", "--porcelain", "--", "django_jobs").strip())
+            head = git("rev-parse", "HEAD").strip()
+        except BenchError:
+            dirty, head = None, None
+        return [], {"source": "working tree", "head": head, "uncommitted_changes_in_django_jobs": dirty}
+    commit = git("rev-parse", "--verify", f"{args.ref}^{{commit}}").strip()
+    dest = tmpdir / "src"
+    dest.mkdir()
+    archive = subprocess.run(["git", "archive", commit, "django_jobs"], cwd=REPO, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return [str(dest)], {"source": f"git {args.ref}", "commit": commit}
+
+
+def base_env(args: argparse.Namespace, first_on_path: list[str]) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        first_on_path + [str(REPO), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     env["DJANGO_SETTINGS_MODULE"] = "bench.settings"
     env["BENCH_PG_HOST"] = args.pg_host
@@ -201,7 +225,8 @@ def one_run(args, env0, engine: str, cma: str, system: str, run_idx: int, tmpdir
             Path(str(path) + suffix).unlink(missing_ok=True)
         env["BENCH_SQLITE_PATH"] = str(path)
 
-    result: dict = {"engine": engine, "conn_max_age": cma, "system": system, "run": run_idx}
+    result: dict = {"engine": engine, "conn_max_age": cma, "system": system, "run": run_idx,
+                    "loadavg_before": os.getloadavg()}
     t = time.perf_counter()
     manage(env, "migrate", "--noinput", "-v", "0")
     result["migrate_seconds"] = time.perf_counter() - t
@@ -241,6 +266,7 @@ def one_run(args, env0, engine: str, cma: str, system: str, run_idx: int, tmpdir
 
     if probe:
         step("probe", lambda: driver(env, "probe", "--n", str(args.probe_jobs)))
+    result["loadavg_after"] = os.getloadavg()
     return result
 
 
@@ -255,6 +281,12 @@ METRICS = [
     ("drain", ("drain", "jobs_per_s"), "drain/s"),
     ("drain_wall", ("drain", "wall_jobs_per_s"), "drain wall/s"),
 ]
+
+
+def count_of(runs: list[dict], path: tuple[str, str]) -> int:
+    """How many runs produced this figure without error."""
+    return sum(1 for r in runs if isinstance(r.get(path[0]), dict) and "error" not in r[path[0]]
+               and isinstance(r[path[0]].get(path[1]), (int, float)))
 
 
 def median_of(runs: list[dict], path: tuple[str, str]) -> float | None:
@@ -280,6 +312,7 @@ def summarise(all_runs: list[dict], variants: list[tuple[str, str]], systems: li
             runs = [r for r in all_runs
                     if r["engine"] == engine and r.get("conn_max_age") == cma and r["system"] == system]
             s = {key: median_of(runs, path) for key, path, _ in METRICS}
+            s["counts"] = {key: count_of(runs, path) for key, path, _ in METRICS}
             s["runs"] = len(runs)
             s["runs_drained_ok"] = sum(1 for r in runs if isinstance(r.get("drain"), dict)
                                        and "error" not in r["drain"])
@@ -320,10 +353,15 @@ def render(summary: dict, variants: list[tuple[str, str]], systems: list[str], n
             if s.get("dispatch_queries_per_job") is not None:
                 q = f"{s['dispatch_queries_per_job']:.1f} / " + (
                     f"{s['drain_queries_per_job']:.1f}" if s.get("drain_queries_per_job") else "n/a")
-            bulk = fmt(s["dispatch_bulk"]) if system == "jobs" else "none"
+            def cell(key: str) -> str:
+                # a median over fewer runs than asked for is flagged "(ok/runs)"
+                ok = s["counts"][key]
+                return fmt(s[key]) + ("" if ok == s["runs"] else f" ({ok}/{s['runs']})")
+
+            bulk = cell("dispatch_bulk") if system == "jobs" else "none"
             txn = fmt(s.get("drain_pg_transactions_per_job"), 1) if engine == "postgres" else ""
-            rows.append([label, SYSTEMS[system], fmt(s["dispatch"]), fmt(s["dispatch_atomic"]), bulk,
-                         fmt(s["drain"]), fmt(s["drain_wall"]), q, txn])
+            rows.append([label, SYSTEMS[system], cell("dispatch"), cell("dispatch_atomic"), bulk,
+                         cell("drain"), cell("drain_wall"), q, txn])
         if "jobs" in systems and "tasksdb" in systems:
             a, b = summary[f"{engine}/{cma}/jobs"], summary[f"{engine}/{cma}/tasksdb"]
             rows.append([label, "ratio jobs / tasks-db", ratio(a["dispatch"], b["dispatch"]),
@@ -338,31 +376,28 @@ def render(summary: dict, variants: list[tuple[str, str]], systems: list[str], n
     for row in rows:
         lines.append(" | ".join(str(c).rjust(w) if i >= 2 else str(c).ljust(w)
                                 for i, (c, w) in enumerate(zip(row, widths))))
+    lines.append("(k/R): median of the k runs out of R that succeeded; the others failed (see above and the JSON).")
     lines.append("bulk ratio: django-jobs Jobs.bulk vs django-tasks-db per-job enqueue (it has no bulk API).")
     lines.append("drain/s: (N-1) / (last finished_at - first finished_at) from the rows; "
                  "drain wall/s: N / worker process lifetime (start-up included).")
     return "\n".join(lines)
 
 
-def versions() -> dict:
+def versions(env: dict[str, str]) -> dict:
     code = (
         "import json, django, importlib.metadata as m\n"
         "out={'python': __import__('sys').version.split()[0], 'django': django.get_version()}\n"
         "for d in ('django-tasks-db','psycopg','django-jobs'):\n"
         "    try: out[d]=m.version(d)\n"
         "    except Exception: out[d]=None\n"
+        "import django_jobs; out['django_jobs_imported_from']=list(django_jobs.__path__)[0]\n"
         "print(json.dumps(out))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
     try:
         return json.loads(proc.stdout)
     except json.JSONDecodeError:
         return {"error": proc.stderr[-500:]}
-
-
-def git_rev() -> str | None:
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return proc.stdout.strip() or None
 
 
 def main() -> int:
@@ -382,6 +417,8 @@ def main() -> int:
     parser.add_argument("--pg-maintenance-db", default="postgres",
                         help="database to connect to for CREATE/DROP DATABASE (default postgres)")
     parser.add_argument("--pg-prefix", default="bench", help="prefix of the databases created (bench_jobs, ...)")
+    parser.add_argument("--ref", help="benchmark django_jobs as committed at this git ref (e.g. HEAD), exported "
+                                      "to the temp dir, instead of the working tree (which may be mid-edit)")
     parser.add_argument("--keep", action="store_true", help="keep the databases and temp dir afterwards")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON results")
     args = parser.parse_args()
@@ -398,8 +435,9 @@ def main() -> int:
             parser.error(f"--conn-max-age: {c!r} is neither a number of seconds nor 'none'")
     variants = [(engine, cma) for engine in engines for cma in cmas]
 
-    env0 = base_env(args)
     tmpdir = Path(tempfile.mkdtemp(prefix="django-jobs-bench-"))
+    first_on_path, source = django_jobs_source(args, tmpdir)
+    env0 = base_env(args, first_on_path)
     pg = Postgres(args) if "postgres" in engines else None
     started = dt.datetime.now(dt.timezone.utc)
     meta = {
@@ -411,8 +449,8 @@ def main() -> int:
         "systems": systems,
         "conn_max_age": cmas,
         "python_executable": sys.executable,
-        "versions": versions(),
-        "git": git_rev(),
+        "versions": versions(env0),
+        "django_jobs": source,
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "sqlite": sqlite3.sqlite_version,
@@ -420,7 +458,10 @@ def main() -> int:
         "tmpdir": str(tmpdir),
     }
     print(f"django-jobs bench: {args.jobs} jobs x {args.runs} runs on {', '.join(engines)} "
-          f"({sys.executable}; tmp {tmpdir})", flush=True)
+          f"({sys.executable}; django_jobs from {meta['versions'].get('django_jobs_imported_from')} "
+          f"[{source['source']} {source.get('commit') or source.get('head') or ''}]; tmp {tmpdir})", flush=True)
+    if source.get("uncommitted_changes_in_django_jobs"):
+        print("  note: django_jobs/ has uncommitted changes; --ref HEAD benchmarks the committed code", flush=True)
 
     all_runs: list[dict] = []
     try:
@@ -448,8 +489,9 @@ def main() -> int:
                                 bits.append(f"{key}={part['jobs_per_s']:,.0f}/s")
                     if "error" in r:
                         bits.append("ERROR")
+                    load = r.get("loadavg_before", (float("nan"),))[0]
                     print(f"  [{label} run {run_idx + 1}/{args.runs}] {SYSTEMS[system]:<15} "
-                          f"{' '.join(bits)}  ({time.perf_counter() - t:.1f}s)", flush=True)
+                          f"{' '.join(bits)}  ({time.perf_counter() - t:.1f}s, load {load:.1f})", flush=True)
                     for key in ("error",):
                         if key in r:
                             print("    " + r[key].replace("\n", "\n    "), flush=True)
