@@ -76,6 +76,9 @@ class JobBuilder:
         """This job's own retry policy: ``strategy``, ``base``, ``multiplier``, ``max``, ``jitter``."""
         from .retry import RetryPolicy
 
+        unknown = set(policy) - {"strategy", "base", "multiplier", "max", "jitter"}
+        if unknown:
+            raise TypeError(f"unknown backoff option(s): {', '.join(sorted(unknown))}")
         RetryPolicy.from_settings(**policy)  # validate now, not in the worker
         return self._set(backoff=policy)
 

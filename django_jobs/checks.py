@@ -12,7 +12,7 @@ from .retry import STRATEGIES
 
 NON_NEGATIVE = (
     "RETRY_BACKOFF_BASE", "RETRY_BACKOFF_MULTIPLIER", "RETRY_BACKOFF_MAX", "DEFAULT_MAX_RETRIES",
-    "LEASE_TIMEOUT", "IDEMPOTENCY_TTL", "POLL_INTERVAL",
+    "IDEMPOTENCY_TTL", "POLL_INTERVAL",
 )
 
 
@@ -44,6 +44,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         value = conf.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             errors.append(_error(f"{key} must be a non-negative number, not {value!r}", "E004"))
+    lease = conf.get("LEASE_TIMEOUT")
+    if not isinstance(lease, (int, float)) or isinstance(lease, bool) or lease <= 0:
+        errors.append(_error(f"LEASE_TIMEOUT must be a positive number of seconds, not {lease!r}", "E004"))
     timeout = conf.get("DEFAULT_TIMEOUT")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         errors.append(_error(f"DEFAULT_TIMEOUT must be None or a positive number, not {timeout!r}", "E004"))

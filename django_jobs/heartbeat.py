@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .backends.base import Lease, QueueBackend
 from .exceptions import LeaseLost
@@ -33,6 +33,7 @@ class Heartbeat:
         self._lease: Lease | None = None
         self._hard_deadline: float | None = None
         self._last_beat = 0.0
+        self._keep_alive: Sequence[Callable[[], None]] = ()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.lost = False
@@ -50,10 +51,17 @@ class Heartbeat:
             self._thread.join(timeout=5)
             self._thread = None
 
-    def watch(self, lease: Lease, hard_deadline: float | None) -> None:
-        """Start heartbeating ``lease``; ``hard_deadline`` is a ``time.monotonic()`` value."""
+    def watch(
+        self, lease: Lease, hard_deadline: float | None, keep_alive: Sequence[Callable[[], None]] = ()
+    ) -> None:
+        """Start heartbeating ``lease``; ``hard_deadline`` is a ``time.monotonic()`` value.
+
+        ``keep_alive`` callables run on every beat too (the job's idempotency key and
+        single-instance lock live as long as its lease).
+        """
         with self._cond:
             self._lease, self._hard_deadline, self._last_beat = lease, hard_deadline, time.monotonic()
+            self._keep_alive = keep_alive
             self.lost = False
             if hard_deadline is not None:
                 self._cond.notify()
@@ -67,7 +75,9 @@ class Heartbeat:
             while not self._stopping:
                 lease = self._lease
                 if lease is None:
-                    self._cond.wait()
+                    # Poll rather than be notified: watch() then costs the hot path no thread
+                    # wake-up, and a new lease is still beaten within one interval of its start.
+                    self._cond.wait(self.interval)
                     continue
                 now = time.monotonic()
                 due = self._last_beat + self.interval
@@ -93,6 +103,8 @@ class Heartbeat:
     def _beat(self, lease: Lease) -> None:
         try:
             self.backend.extend(lease, self.lease_seconds)
+            for keep in self._keep_alive:
+                keep()
         except LeaseLost:
             logger.warning("job %s: lease lost while running (reaped after a stall?)", lease.token)
             with self._cond:

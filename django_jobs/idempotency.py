@@ -43,6 +43,12 @@ class IdempotencyGuard:
                 return Claim.BUSY
         return Claim.BUSY
 
+    def extend(self, key: str, owner: str, hold_seconds: float) -> None:
+        """Heartbeat: keep holding ``key`` while its delivery still runs."""
+        full = self.prefix + key
+        if self.cache.get(full) == owner:
+            self.cache.touch(full, max(int(hold_seconds) + 1, 1))
+
     def succeeded(self, key: str) -> None:
         """Consume the key: later deliveries with it are skipped for ``IDEMPOTENCY_TTL``."""
         self.cache.set(self.prefix + key, DONE, conf.get("IDEMPOTENCY_TTL"))

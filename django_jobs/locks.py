@@ -20,6 +20,12 @@ class CacheLock:
     def acquire(self) -> bool:
         return _cache().add(self.key, self.owner, self.ttl)
 
+    def extend(self) -> None:
+        """Heartbeat: keep holding the lock for another ``ttl`` while the job runs."""
+        cache = _cache()
+        if cache.get(self.key) == self.owner:
+            cache.touch(self.key, self.ttl)
+
     def release(self) -> None:
         cache = _cache()
         if cache.get(self.key) == self.owner:

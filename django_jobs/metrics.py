@@ -1,7 +1,8 @@
 """Counters and histograms, behind a small collector protocol.
 
 ``JOBS["METRICS_COLLECTOR"]`` names the collector class (in-memory by default, ``None`` to
-disable); a Prometheus collector ships in :mod:`django_jobs.contrib.prometheus`.
+disable); a Prometheus collector ships in :mod:`django_jobs.contrib.prometheus` (extra
+``prometheus``).
 """
 
 from __future__ import annotations

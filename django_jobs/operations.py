@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,6 +19,7 @@ from .backends.database import DatabaseBackend
 from .envelope import Envelope
 from .models import Job, JobStatus
 
+logger = logging.getLogger("django_jobs.operations")
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -58,9 +60,11 @@ def purge(status: str, queue: str | None = None, before: timedelta | None = None
     if status == JobStatus.FAILED and not dry_run:
         # Brokers keep their own failed set too (the Job rows above are their audit copies).
         for name in conf.get("BACKENDS") or {}:
-            backend = get_backend(name)
             for q in [queue] if queue else conf.queues():
-                backend.purge_failed(q, before)
+                try:
+                    get_backend(name).purge_failed(q, before)
+                except Exception:  # the Job rows are gone already; say which broker kept its copies
+                    logger.exception("jobs_purge: could not purge failed messages of %s/%s", name, q)
     return total
 
 

@@ -62,7 +62,12 @@ def _as_key(value: str | bytes) -> bytes:
 def signing_keys() -> list[bytes]:
     """The current key first, then the fallbacks still accepted when verifying."""
     current = conf.get("SIGNING_KEY")
-    keys = [_as_key(current) if current else _derive(settings.SECRET_KEY)]
+    if current:
+        keys = [_as_key(current)]
+    else:
+        # Derived from SECRET_KEY, so Django's own rotation (SECRET_KEY_FALLBACKS) carries over.
+        secrets = [settings.SECRET_KEY, *getattr(settings, "SECRET_KEY_FALLBACKS", ())]
+        keys = [_derive(secret) for secret in secrets]
     keys.extend(_as_key(k) for k in conf.get("SIGNING_KEY_FALLBACKS") or ())
     return keys
 

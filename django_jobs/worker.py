@@ -89,6 +89,7 @@ class QueueWorker:
     ) -> None:
         self.backend = backend if isinstance(backend, QueueBackend) else get_backend(backend)
         self.queues = list(queues or [conf.default_queue()])
+        registry.autodiscover()  # @job handlers register on import; cheap once imported
         self.metrics = metrics or get_collector()
         self.lease_seconds = float(conf.get("LEASE_TIMEOUT"))
         self.exit_on_hard_timeout = exit_on_hard_timeout
@@ -134,6 +135,7 @@ class QueueWorker:
             return self._reject(lease, exc, "jobs_rejected_handler")
 
         guard = key = None
+        keep_alive: list[Callable[[], None]] = []
         if env.idempotency_key:
             guard, key = IdempotencyGuard(), env.idempotency_key
             claim = guard.claim(key, lease.owner_token, self.lease_seconds)
@@ -143,6 +145,7 @@ class QueueWorker:
                 return result
             if claim is Claim.BUSY:
                 return self._requeue_unrun(lease, env)
+            keep_alive.append(lambda: guard.extend(key, lease.owner_token, self.lease_seconds))
         lock = None
         if env.options.get("single_instance"):
             lock = CacheLock(f"django_jobs:single:{env.handler}", lease.owner_token, self.lease_seconds)
@@ -150,18 +153,25 @@ class QueueWorker:
                 if guard and key:
                     guard.failed(key, lease.owner_token)
                 return self._requeue_unrun(lease, env)
+            keep_alive.append(lock.extend)
         try:
-            return self._run(lease, env, handler, guard, key)
+            return self._run(lease, env, handler, guard, key, keep_alive)
         finally:
             if lock is not None:
                 lock.release()
 
-    def _run(self, lease: Lease, env: Envelope, handler: Any, guard: IdempotencyGuard | None, key: str | None) -> WorkerResult:
+    def _run(
+        self, lease: Lease, env: Envelope, handler: Any, guard: IdempotencyGuard | None, key: str | None,
+        keep_alive: list[Callable[[], None]],
+    ) -> WorkerResult:
         attempt = env.attempts + 1
         timeout = env.timeout if env.timeout is not None else conf.get("DEFAULT_TIMEOUT")
+        queue = lease.queue
+        if env.available_at is not None:
+            self.metrics.observe("jobs_wait_seconds", _since(env.available_at), queue=queue)
         start = time.monotonic()
         deadline = start + timeout if timeout else None
-        self.heartbeat.watch(lease, deadline + HARD_TIMEOUT_GRACE if deadline else None)
+        self.heartbeat.watch(lease, deadline + HARD_TIMEOUT_GRACE if deadline else None, keep_alive)
         error: BaseException | None = None
         try:
             with time_limit(timeout):
@@ -171,10 +181,7 @@ class QueueWorker:
         finally:
             self.heartbeat.clear()
         seconds = time.monotonic() - start
-        queue = lease.queue
         self.metrics.observe("jobs_exec_seconds", seconds, queue=queue)
-        if env.available_at is not None:
-            self.metrics.observe("jobs_wait_seconds", _since(env.available_at), queue=queue)
         if error is None:
             if guard and key:
                 # Before the ack: if the ack finds the lease lost, the redelivery is skipped.

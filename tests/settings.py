@@ -74,6 +74,11 @@ DATABASES = {
     },
 }
 
+if SUBPROCESS:
+    # Worker subprocesses never use MariaDB (only the in-process conformance param does), and
+    # their start-up system checks would otherwise connect to its test database.
+    del DATABASES["mariadb"]
+
 # MariaDB ignores the partial (conditional) indexes; its claim still uses the full index.
 SILENCED_SYSTEM_CHECKS = ["models.W037"]
 

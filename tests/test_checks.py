@@ -106,6 +106,11 @@ def test_empty_queues():
     only(jobs_errors(QUEUES=[]), "django_jobs.E005")
 
 
+def test_a_zero_lease_timeout_is_refused():
+    # A lease of 0 s would expire at once: every running job would be reaped.
+    assert [e.id for e in jobs_errors(LEASE_TIMEOUT=0)] == ["django_jobs.E004"]
+
+
 def test_several_problems_are_all_reported():
     errors = jobs_errors(RETRY_BACKOFF_STRATEGY="nope", LEASE_TIMEOUT=-1, IDEMPOTENCY_CACHE="nope")
     assert sorted(e.id for e in errors) == ["django_jobs.E003", "django_jobs.E004", "django_jobs.E007"]

@@ -167,11 +167,8 @@ def test_sigkilled_worker_lease_is_recovered_by_jobs_reap(postgres_up, backend, 
         body = Envelope.from_bytes(raw.hget(k.bodies, job_id))
         assert (body.id, body.attempts) == (job_id, 1)
         assert raw.zscore(k.processing, job_id) is None and raw.hget(k.owners, job_id) is None
-        # Due now (no backoff). It should be in the waiting zset, but the reaper parks a
-        # zero-delay requeue in the delayed zset with a due time already past (see the strict
-        # xfail test_reaped_message_without_backoff_is_ready_not_delayed); a fetch promotes it.
-        due = raw.zscore(k.delayed, job_id)
-        assert raw.zscore(k.waiting, job_id) is not None or (due is not None and due <= time.time() * 1000)
+        # Due now (no backoff): straight back to the waiting zset.
+        assert raw.zscore(k.waiting, job_id) is not None and raw.zscore(k.delayed, job_id) is None
         assert raw.hget(k.errors, job_id).decode().startswith("WorkerLost: lease expired")
 
         # A fresh worker, started only now, completes it as the second run.
@@ -188,13 +185,6 @@ def test_sigkilled_worker_lease_is_recovered_by_jobs_reap(postgres_up, backend, 
 
 
 @pytest.mark.django_db
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: RedisBackend._reap_queue takes `now` once before its loop and each due time later "
-    "(_ms(time.time() + delay)), so reap.lua's requeue() sees due > now even with no backoff: a message "
-    "due immediately is parked in the delayed zset (jobs_stats shows it as delayed) and the notify list "
-    "is not pushed, so a worker blocked in wait_for_work is not woken",
-)
 def test_reaped_message_without_backoff_is_ready_not_delayed(backend, raw):
     """Like nack(delay=0), a lost run whose policy gives no delay goes straight back to waiting
     (SPEC 6: reap_expired is "same as database"; nack "straight back to waiting")."""

@@ -179,9 +179,12 @@ class DatabaseBackend(QueueBackend):
 
     def nack(self, lease: Lease, delay: float, *, error: str = "", count_run: bool = True) -> None:
         available = timezone.now() + timedelta(seconds=max(delay, 0))
+        # A delivery that did not run (count_run=False) brings no new error: keep the last one.
         self._settle(
-            lease, "status = 'pending', attempts = attempts + %s, available_at = %s, last_error = %s",
-            [int(count_run), self._adapt(available), error],
+            lease,
+            "status = 'pending', attempts = attempts + %s, available_at = %s, "
+            "last_error = CASE WHEN %s THEN %s ELSE last_error END",
+            [int(count_run), self._adapt(available), bool(error), error],
         )
 
     def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:

@@ -181,7 +181,7 @@ class RedisBackend(QueueBackend):
             else:
                 again = env.next_attempt()
                 action = "fail" if delay is None else "retry"
-                due = _ms(time.time() + (delay or 0))
+                due = now + int((delay or 0) * 1000)  # same clock as `now`: no delay means ready now
                 new_body = again.to_bytes()
             if self._run("reap", queue, job_id, owner or b"", now, action, new_body, due, error):
                 reaped += 1

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_jobs import conf, registry
 from django_jobs.pool import WorkerPool
@@ -23,6 +23,11 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **opts: Any) -> None:
         queues = opts["queues"] or [conf.default_queue()]
+        unknown = [q for q in queues if q not in conf.queues()]
+        if unknown:
+            raise CommandError(f"unknown queue(s) {', '.join(unknown)}: add them to JOBS['QUEUES']")
+        if opts["concurrency"] < 1:
+            raise CommandError("--concurrency must be at least 1")
         registry.autodiscover()  # before forking, so every process has the @job registrations
         pool = WorkerPool(
             lambda: QueueWorker(opts["backend"], queues),

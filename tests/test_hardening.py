@@ -1,0 +1,120 @@
+"""Edge cases found in review: locks outliving long jobs, error history, key rotation, bad options."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.conf import settings
+from django.core.management import CommandError, call_command
+from django.test import override_settings
+
+from django_jobs import Jobs, signing
+from django_jobs.backends.base import Lease
+from django_jobs.exceptions import BadSignature
+from django_jobs.heartbeat import Heartbeat
+from django_jobs.models import Job
+from django_jobs.worker import QueueWorker
+from tests.testapp.jobs import scripted
+
+
+class _CountingBackend:
+    def __init__(self) -> None:
+        self.extended = 0
+
+    def extend(self, lease: Lease, seconds: float) -> None:
+        self.extended += 1
+
+
+def _wait_until(predicate, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_heartbeat_keeps_the_jobs_locks_alive_with_its_lease():
+    # An idempotency key or single-instance lock must live as long as the lease it guards,
+    # or a second delivery could run a long job concurrently.
+    backend = _CountingBackend()
+    kept = threading.Event()
+    heartbeat = Heartbeat(backend, lease_seconds=0.3, on_hard_timeout=lambda lease: None)  # type: ignore[arg-type]
+    heartbeat.start()
+    try:
+        lease = Lease(token="t", owner_token="o", expires_at=None, queue="default")  # type: ignore[arg-type]
+        heartbeat.watch(lease, None, [kept.set])
+        assert kept.wait(10), "keep-alive callbacks never ran"
+        assert backend.extended >= 1
+    finally:
+        heartbeat.stop()
+
+
+@pytest.mark.django_db
+def test_a_requeue_without_a_run_keeps_the_last_error():
+    job_id = scripted.using(max_retries=2, backoff={"strategy": "none"}).dispatch(action="raise")
+    worker = QueueWorker("default")
+    assert worker.process_once().status == "requeued"
+    backend = Jobs.backend("default")
+    lease = backend.fetch("default")
+    backend.nack(lease, 0, count_run=False)  # e.g. its idempotency key was busy elsewhere
+    row = Job.objects.get(pk=job_id)
+    assert row.attempts == 1
+    assert row.last_error.startswith("RuntimeError: scripted failure")
+
+
+@pytest.mark.django_db
+def test_rotating_secret_key_keeps_queued_jobs_valid_through_secret_key_fallbacks():
+    env = scripted.using().build(action="ok").build()
+    with override_settings(SECRET_KEY="a-brand-new-secret-key", SECRET_KEY_FALLBACKS=[settings.SECRET_KEY]):
+        signing.verify(env)  # signed with the old key, still accepted
+    with override_settings(SECRET_KEY="a-brand-new-secret-key", SECRET_KEY_FALLBACKS=[]):
+        with pytest.raises(BadSignature):
+            signing.verify(env)
+
+
+def test_backoff_refuses_unknown_options():
+    with pytest.raises(TypeError, match="maximum"):
+        Jobs.define("command", "check").backoff(maximum=5)
+
+
+@pytest.mark.parametrize("argv", [["jobs_work", "nosuchqueue", "--once"], ["jobs_work", "--concurrency", "0"]])
+def test_jobs_work_refuses_bad_options(argv):
+    with pytest.raises(CommandError):
+        call_command(*argv)
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+def test_a_job_longer_than_its_lease_is_heartbeated_and_never_reaped(postgres_up):
+    from django.db import connections
+
+    from django_jobs.reaper import Reaper
+
+    results = []
+    with override_settings(JOBS={**settings.JOBS, "LEASE_TIMEOUT": 0.6}):
+        job_id = scripted.using(backend="pg").dispatch(action="sleep", seconds=2.5, key="long", db="postgres")
+        stop = threading.Event()
+        reaped = []
+
+        def reap_constantly() -> None:
+            # A reaper that runs all the time: only a live heartbeat keeps the lease from it.
+            try:
+                while not stop.is_set():
+                    reaped.append(Reaper("pg").reap_once())
+                    time.sleep(0.05)
+            finally:
+                connections.close_all()
+
+        reaper = threading.Thread(target=reap_constantly)
+        reaper.start()
+        try:
+            QueueWorker("pg").run(max_jobs=1, on_result=results.append, reap=False)
+        finally:
+            stop.set()
+            reaper.join(10)
+    assert [r.status for r in results] == ["acked"]
+    assert sum(reaped) == 0
+    row = Job.objects.using("postgres").get(pk=job_id)
+    assert (row.status, row.attempts) == ("completed", 1)
