@@ -131,6 +131,7 @@ class WorkerPool:
             if self.stopping:
                 worker.stop()
             worker.run(budget=self.budget, **self.run_options)
+            worker.backend.close()  # hands back anything still held for us (a reserved-ahead job)
             finished.value = 1
             code = 0
         except BaseException:

@@ -62,10 +62,7 @@ from tests.testapp.models import SideEffect
 PG = "postgres"
 NO_BACKOFF = {"strategy": "none"}
 ZERO = {"pending": 0, "delayed": 0, "in_progress": 0, "failed": 0}
-# Worker processes skip Django's system checks: on start-up they would open a connection to
-# every configured database (the field checks ask each server its version), services these
-# tests neither use nor create test databases for.
-WORKER = ("--backend", "beanstalk", "--skip-checks")
+WORKER = ("--backend", "beanstalk")
 
 
 def unique(prefix: str) -> str:
@@ -374,14 +371,6 @@ def test_workers_survive_a_beanstalkd_kill_and_binlog_restart_and_no_job_is_lost
 
 
 @pytest.mark.django_db
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: BeanstalkBackend keeps a dead greenstalk connection after beanstalkd restarts: every "
-        "later enqueue()/stats() raises BrokenPipeError until close() is called (only the worker "
-        "loop calls it)"
-    ),
-)
 def test_dispatching_process_reconnects_after_a_beanstalkd_restart(tmp_path):
     """A web process dispatches, beanstalkd restarts: dispatching must work again without a
     process restart (one failed call at the moment of the outage is tolerated)."""
@@ -506,13 +495,6 @@ def test_higher_priority_is_reserved_first_and_fifo_within_a_priority(backend, r
 
 
 @pytest.mark.django_db
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: beanstalk.py _put clamps priority at -2**31, which maps to pri 2**32: beanstalkd "
-        "answers BAD_FORMAT, so priority=-2147483648 (the Job.priority IntegerField minimum) cannot be enqueued"
-    ),
-)
 def test_the_lowest_integer_field_priority_can_be_enqueued_and_comes_last(backend):
     lowest, low = envelope(priority=-(2**31)), envelope(priority=-(2**31) + 1)
     normal = envelope(priority=0)
@@ -523,14 +505,6 @@ def test_the_lowest_integer_field_priority_can_be_enqueued_and_comes_last(backen
 
 
 @pytest.mark.django_db
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: after beanstalkd refuses a put (BAD_FORMAT, e.g. a delay past 2**32-1 s), the body "
-        "is read by beanstalkd as a command and the backend keeps the connection: every later "
-        "reply is the previous command's (a 'failed' enqueue was in fact inserted, fetch/stats raise)"
-    ),
-)
 def test_a_refused_put_leaves_the_connection_usable(backend, raw):
     far = envelope(scheduled_at=timezone.now() + timedelta(days=365 * 200))  # delay > 2**32 - 1 s
     with contextlib.suppress(Exception):  # refusing it is fine; what follows must still work
@@ -717,14 +691,6 @@ def test_jobs_purge_failed_deletes_buried_jobs_and_their_audit_rows(beanstalk_up
 
 
 @pytest.mark.django_db
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (spec 11, jobs_purge --before AGE): BeanstalkBackend.purge_failed ignores older_than, so "
-        "`jobs_purge --status failed --before 1d` deletes every buried job, even one buried a second "
-        "ago whose audit row the same command keeps"
-    ),
-)
 def test_jobs_purge_before_keeps_a_just_buried_job(beanstalk_up, raw):
     with override_settings(JOBS=jobs_with(BACKENDS=PURGE_JOBS)):
         backend = get_backend("beanstalk")
@@ -746,15 +712,6 @@ def test_jobs_purge_before_keeps_a_just_buried_job(beanstalk_up, raw):
 @pytest.mark.postgres
 @pytest.mark.django_db(databases=["default", PG], transaction=True)
 @pytest.mark.usefixtures("postgres_up", "beanstalk_up")
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: BeanstalkBackend.wait_for_work reserves a job into a stash; when the worker stops before "
-        "the next fetch (a stop signal during the blocking reserve, a --max budget spent by a sibling process) the "
-        "connection closes with the job reserved, beanstalkd counts that reservation in `reserves`, "
-        "and fetch() counts it as a lost run: a job that never ran is dead-lettered (max_retries=0)"
-    ),
-)
 def test_a_job_reserved_while_the_worker_stops_is_not_counted_as_a_run(raw):
     key = unique("bstash")
     with processes() as procs:

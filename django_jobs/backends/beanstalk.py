@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -56,6 +58,30 @@ class BeanstalkBackend(QueueBackend):
     def tube_name(self, queue: str) -> str:
         return f"{self.prefix}.{queue}"
 
+    @contextmanager
+    def _using(self, queue: str) -> Iterator[_Tube]:
+        """The queue's connection, under its lock. Any error but NotFound/TimedOut drops it: a
+        refused put leaves unread bytes on the socket, and a restarted server a dead one. The
+        next call connects afresh."""
+        tube = self._tube(queue)
+        with tube.lock:
+            try:
+                yield tube
+            except (greenstalk.NotFoundError, greenstalk.TimedOutError):
+                raise
+            except Exception:
+                self._drop(queue, tube)
+                raise
+
+    def _drop(self, queue: str, tube: _Tube) -> None:
+        with self._lock:
+            if self._tubes.get(queue) is tube:
+                del self._tubes[queue]
+        try:
+            tube.client.close()
+        except OSError:
+            pass
+
     def _tube(self, queue: str) -> _Tube:
         tube = self._tubes.get(queue)
         if tube is None:
@@ -68,60 +94,63 @@ class BeanstalkBackend(QueueBackend):
         return tube
 
     def close(self) -> None:
-        with self._lock:
-            for tube in self._tubes.values():
-                try:
-                    tube.client.close()
-                except OSError:
-                    pass
-            self._tubes.clear()
+        for queue, tube in list(self._tubes.items()):
+            with tube.lock:
+                if tube.stash is not None:
+                    # Hand back a job reserved by wait_for_work but never fetched, so it is not
+                    # counted as a lost run (fetch subtracts releases from reserves).
+                    try:
+                        tube.client.release(tube.stash)
+                    except Exception:  # noqa: BLE001 - closing anyway; beanstalkd releases on disconnect
+                        pass
+                    tube.stash = None
+            self._drop(queue, tube)
 
     @staticmethod
     def _ttr() -> int:
         return max(1, math.ceil(conf.get("LEASE_TIMEOUT")))
 
     def _put(self, tube: _Tube, envelope: Envelope, delay: float) -> int:
-        priority = PRIORITY_ZERO - max(-PRIORITY_ZERO, min(PRIORITY_ZERO - 1, envelope.priority))
+        priority = PRIORITY_ZERO - max(1 - PRIORITY_ZERO, min(PRIORITY_ZERO - 1, envelope.priority))
         return tube.client.put(envelope.to_bytes(), priority=priority, delay=math.ceil(max(delay, 0)), ttr=self._ttr())
 
     # -- protocol --
 
     def enqueue(self, envelope: Envelope) -> str:
         delay = (envelope.available_at - timezone.now()).total_seconds() if envelope.available_at else 0
-        tube = self._tube(envelope.queue)
-        with tube.lock:
+        with self._using(envelope.queue) as tube:
             self._put(tube, envelope, delay)
         return envelope.id
 
     def fetch(self, queue: str) -> Lease | None:
-        tube = self._tube(queue)
-        with tube.lock:
+        with self._using(queue) as tube:
             job, tube.stash = tube.stash, None
             if job is None:
                 try:
                     job = tube.client.reserve(timeout=0)
                 except greenstalk.TimedOutError:
                     return None
-            reserves = tube.client.stats_job(job)["reserves"]
+            stats = tube.client.stats_job(job)
         # The reservation itself fences: only this connection can settle the job.
         lease = Lease(token=str(job.id), owner_token=str(job.id), expires_at=self._expiry(), queue=queue, raw=job)
         lease.envelope, lease.error = decode_lease_body(job.body)
         if lease.envelope is not None:
             lease.token = lease.envelope.id
-            # Earlier reservations of this very job ended without a settle: lost runs.
-            lease.envelope.attempts += reserves - 1
+            # Earlier reservations of this very job that ended without a settle (TTR ran out, or
+            # the worker's connection died) are lost runs. Our own releases are not: the worker
+            # never releases a job it ran (nack puts a copy), only one it never handed out.
+            lease.envelope.attempts += stats["reserves"] - 1 - stats["releases"]
         return lease
 
     def _expiry(self) -> datetime:
         return timezone.now() + timedelta(seconds=self._ttr())
 
     def _settle(self, lease: Lease, command: str) -> None:
-        tube = self._tube(lease.queue)
-        with tube.lock:
-            try:
+        try:
+            with self._using(lease.queue) as tube:
                 getattr(tube.client, command)(lease.raw)
-            except greenstalk.NotFoundError as exc:
-                raise LeaseLost(f"job {lease.token} is no longer reserved by this worker") from exc
+        except greenstalk.NotFoundError as exc:
+            raise LeaseLost(f"job {lease.token} is no longer reserved by this worker") from exc
 
     def ack(self, lease: Lease, *, count_run: bool = True) -> None:
         self._settle(lease, "delete")
@@ -132,8 +161,7 @@ class BeanstalkBackend(QueueBackend):
         env = lease.envelope
         assert env is not None, "only a decoded message can be requeued"
         self._settle(lease, "touch")
-        tube = self._tube(lease.queue)
-        with tube.lock:
+        with self._using(lease.queue) as tube:
             self._put(tube, env.next_attempt() if count_run else env, delay)
         self._settle(lease, "delete")
 
@@ -154,8 +182,7 @@ class BeanstalkBackend(QueueBackend):
         """One queue: block in ``reserve`` and keep the job for the next fetch."""
         if len(queues) != 1 or timeout < 1:
             return False
-        tube = self._tube(queues[0])
-        with tube.lock:
+        with self._using(queues[0]) as tube:
             if tube.stash is None:
                 try:
                     tube.stash = tube.client.reserve(timeout=int(timeout))
@@ -164,12 +191,11 @@ class BeanstalkBackend(QueueBackend):
         return True
 
     def _tube_stats(self, queue: str) -> dict[str, Any]:
-        tube = self._tube(queue)
-        with tube.lock:
-            try:
+        try:
+            with self._using(queue) as tube:
                 return tube.client.stats_tube(self.tube_name(queue))
-            except greenstalk.NotFoundError:
-                return {}  # beanstalkd creates a tube on first use
+        except greenstalk.NotFoundError:
+            return {}  # beanstalkd creates a tube on first use
 
     def size(self, queue: str) -> int:
         counts = self.stats(queue)
@@ -185,13 +211,16 @@ class BeanstalkBackend(QueueBackend):
         }
 
     def purge_failed(self, queue: str, older_than: timedelta | None = None) -> int:
-        """Delete buried jobs (beanstalkd keeps no bury time, so ``older_than`` is ignored)."""
-        tube = self._tube(queue)
+        """Delete buried jobs, oldest first. beanstalkd keeps no bury time: ``older_than`` is
+        compared with the job's age since it was put, and the purge stops at the first younger one."""
         deleted = 0
-        with tube.lock:
+        with self._using(queue) as tube:
             while True:
                 try:
-                    tube.client.delete(tube.client.peek_buried())
+                    job = tube.client.peek_buried()
+                    if older_than and tube.client.stats_job(job)["age"] < older_than.total_seconds():
+                        return deleted
+                    tube.client.delete(job)
                 except greenstalk.NotFoundError:
                     return deleted
                 deleted += 1
