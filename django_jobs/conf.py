@@ -12,6 +12,7 @@ from django.conf import settings
 BUILTIN_HANDLERS: dict[str, str] = {
     "command": "django_jobs.handlers.CommandHandler",
     "shell": "django_jobs.handlers.ShellHandler",
+    "url": "django_jobs.handlers.UrlHandler",
 }
 
 DEFAULTS: dict[str, Any] = {
@@ -35,6 +36,8 @@ DEFAULTS: dict[str, Any] = {
     "HANDLERS": {},
     "QUEUE_HANDLERS": {},
     "ALLOWED_SHELL_COMMANDS": [],
+    # The url handler refuses loopback/private/link-local targets unless this is True.
+    "URL_ALLOW_PRIVATE_NETWORKS": False,
     "IMPORTS": [],
     "POLL_INTERVAL": 1.0,
     "METRICS_COLLECTOR": "django_jobs.metrics.InMemoryMetricsCollector",
