@@ -68,3 +68,36 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                     hint="add it to JOBS['HANDLERS'] or register it with @job in an app's jobs module",
                 ))
     return errors
+
+
+@checks.register(checks.Tags.compatibility)
+def check_servicebus_delivery_count(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Service Bus dead-letters a message on its own once its lock has expired MaxDeliveryCount
+    times. A job whose worker dies on every run needs ``max_retries + 2`` deliveries before
+    django-jobs fails it (the last one is failed without running, with a failed ``Job`` row), so
+    the queues' MaxDeliveryCount must exceed ``DEFAULT_MAX_RETRIES + 1``. Reads settings only: the
+    entity's real MaxDeliveryCount is for ``OPTIONS["MAX_DELIVERY_COUNT"]`` to say (Azure's
+    default is 10)."""
+    from .backends import ENGINES
+
+    retries = conf.get("DEFAULT_MAX_RETRIES")
+    if not isinstance(retries, int) or isinstance(retries, bool):
+        return []  # reported by check_settings (E004)
+    warnings: list[checks.CheckMessage] = []
+    for name, config in (conf.get("BACKENDS") or {}).items():
+        engine = (config or {}).get("ENGINE", "database")
+        if ENGINES.get(engine, engine) != ENGINES["servicebus"]:
+            continue
+        count = ((config or {}).get("OPTIONS") or {}).get("MAX_DELIVERY_COUNT", 10)
+        if isinstance(count, int) and not isinstance(count, bool) and count > retries + 1:
+            continue
+        warnings.append(checks.Warning(
+            f"backend {name!r}: the queues' MaxDeliveryCount ({count!r}) must exceed DEFAULT_MAX_RETRIES + 1 "
+            f"({retries + 1}): Service Bus would dead-letter a job whose worker keeps dying before its retries "
+            "are spent, and no failed Job row would record it",
+            hint="raise MaxDeliveryCount on the Service Bus queues and set OPTIONS['MAX_DELIVERY_COUNT'] to it, "
+            "or lower DEFAULT_MAX_RETRIES",
+            obj="settings.JOBS",
+            id="django_jobs.W001",
+        ))
+    return warnings

@@ -17,6 +17,7 @@ Tests skip on capabilities only — the backend's flags (``persistent``, ``suppo
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,6 +28,7 @@ from django.utils import timezone
 
 from django_jobs.backends.base import Lease, QueueBackend
 from django_jobs.models import Job
+from tests.fake_servicebus import LIVE_ENV, SDK_INSTALLED, expire_lock
 
 # Every conformance test may touch both databases: the PG entry keeps its queue in `postgres`,
 # and the worker tests count side effects and look up failed rows in either alias. A test may
@@ -67,6 +69,10 @@ def _redis_expire(backend: Any, lease: Lease) -> None:
     assert backend.client.zadd(processing, {lease.token: past_ms}, xx=True, ch=True) == 1
 
 
+# The servicebus_fake fixture recognises this very object and points the backend at the namespace
+# of JOBS_TEST_SERVICEBUS_CONNECTION_STRING instead of the in-memory one (no expire hook there).
+SERVICEBUS_LIVE = BackendCase("servicebus", fixtures=("servicebus_fake",))
+
 BACKEND_PARAMS = [
     pytest.param(
         BackendCase("default", expire=_db_expire, record=_db_record),
@@ -89,6 +95,18 @@ BACKEND_PARAMS = [
     pytest.param(BackendCase("sync"), id="sync", marks=[DB]),
     pytest.param(BackendCase("redis", fixtures=("redis_up",), expire=_redis_expire), id="redis", marks=[DB]),
     pytest.param(BackendCase("beanstalk", fixtures=("beanstalk_up",)), id="beanstalk", marks=[DB]),
+    # Azure Service Bus, on the in-memory namespace of tests/fake_servicebus.py (real backend, fake SDK
+    # clients); the live case runs the same tests against a real namespace when one is configured.
+    pytest.param(
+        BackendCase("servicebus", fixtures=("servicebus_fake",), expire=expire_lock),
+        id="servicebus",
+        marks=[DB, pytest.mark.skipif(not SDK_INSTALLED, reason="azure-servicebus is not installed")],
+    ),
+    pytest.param(
+        SERVICEBUS_LIVE,
+        id="servicebus-live",
+        marks=[DB, pytest.mark.skipif(not (SDK_INSTALLED and os.environ.get(LIVE_ENV)), reason=f"no {LIVE_ENV}")],
+    ),
 ]
 
 

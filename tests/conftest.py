@@ -154,3 +154,6 @@ def _fresh_metrics():
     if hasattr(collector, "reset"):
         collector.reset()
     yield collector
+
+
+from tests.fake_servicebus import servicebus_fake  # noqa: E402,F401

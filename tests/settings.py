@@ -100,6 +100,11 @@ JOBS = {
         "redis": {"ENGINE": "redis", "OPTIONS": {"URL": REDIS_URL, "PREFIX": REDIS_PREFIX}},
         "beanstalk": {"ENGINE": "beanstalk", "OPTIONS": {
             "HOST": BEANSTALK_HOST, "PORT": int(BEANSTALK_PORT), "PREFIX": BEANSTALK_PREFIX}},
+        # Azure Service Bus: tests swap the SDK's clients for an in-memory namespace
+        # (tests/fake_servicebus.py); this connection string is never dialled.
+        "servicebus": {"ENGINE": "servicebus", "OPTIONS": {
+            "CONNECTION_STRING": "Endpoint=sb://django-jobs-tests.invalid/;SharedAccessKeyName=tests;SharedAccessKey=dGVzdHM=",
+            "RECEIVE_WAIT": 0.05}},
     },
     "QUEUES": ["default", "other", "emails"],
     "POLL_INTERVAL": 0.05,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,8 +11,13 @@ from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
+from .. import conf, signing
 from ..envelope import Envelope
-from ..exceptions import InvalidPayload
+from ..exceptions import BadSignature, InvalidPayload, LeaseLost
+from ..metrics import get_collector
+from ..retry import after_lost_run
+
+logger = logging.getLogger("django_jobs.reaper")
 
 
 @dataclass(slots=True)
@@ -143,3 +149,44 @@ def decode_lease_body(raw: bytes | str) -> tuple[Envelope | None, InvalidPayload
     except InvalidPayload as exc:
         return None, exc
 
+
+def settle_lost_runs(backend: QueueBackend, lease: Lease, lost: int, how: str) -> bool:
+    """The reaper's rule for brokers that expire leases themselves (``native_lease``).
+
+    The broker's own delivery count shows that ``lost`` earlier deliveries of this message ended
+    without a settle (a worker crashed or stalled): each is a failed run, already added to
+    ``lease.envelope.attempts``. As ``reap_expired`` does for the other backends, a job whose
+    retries are spent is failed (``abandon``) and one with retries left waits for its backoff
+    (``nack``), neither counted again. Returns ``True`` when it settled the lease that way, and
+    ``False`` when the lease is to be handed to the worker now (no lost run, a retry due at
+    once, or an envelope the worker must reject first: its fields are not trusted before its
+    signature is checked).
+    """
+    env = lease.envelope
+    if lost <= 0 or env is None or not _verifies(env, lease.queue):
+        return False
+    # This delivery follows one whose lease lapsed: one lease recovered, as the reaper counts.
+    get_collector().increment("jobs_reaped", queue=lease.queue)
+    delay = after_lost_run(env.attempts - 1, env.max_retries, env.options)
+    if delay is not None and delay <= 0:
+        return False
+    error = f"WorkerLost: {how} (worker crashed or stalled)"
+    outcome = "failed" if delay is None else f"retried in {delay:g}s"
+    logger.warning("job %s on %s: %s; %s", env.id, lease.queue, error, outcome)
+    try:
+        if delay is None:
+            backend.abandon(lease, error, count_run=False)
+        else:
+            backend.nack(lease, delay, error=error, count_run=False)
+    except LeaseLost:
+        pass  # another delivery of it is being handled elsewhere
+    return True
+
+
+def _verifies(envelope: Envelope, queue: str) -> bool:
+    try:
+        if conf.get("VERIFY_SIGNATURE"):
+            signing.verify(envelope)
+    except (BadSignature, InvalidPayload):
+        return False
+    return envelope.queue == queue
