@@ -206,8 +206,8 @@ def test_sigkilled_worker_job_returns_to_the_tube_and_a_fresh_worker_completes_i
 @pytest.mark.django_db(databases=["default", PG], transaction=True)
 @pytest.mark.usefixtures("postgres_up", "beanstalk_up")
 def test_sigkilled_run_spends_the_budget_of_a_job_without_retries(raw):
-    """max_retries=0 and one lost run: the next delivery sees attempts 1 and is dead-lettered
-    (buried + failed audit row) WITHOUT running again."""
+    """max_retries=0 and one lost run: the next fetch sees attempts 1 and fails the job (buried +
+    failed audit row, as the reaper does for the other backends) WITHOUT running it again."""
     env = worker_env(lease_timeout=2)
     key = unique("bspent")
     job_id = dispatch("sleep", key=key, seconds=3, max_retries=0, lease_timeout=2)
@@ -220,13 +220,13 @@ def test_sigkilled_run_spends_the_budget_of_a_job_without_retries(raw):
         wait_until(lambda: raw.job("default", bs_id)["state"] == "ready", 10, "the job to be ready again")
 
         second = run_once(procs, env)
-        [line] = second.job_lines("dead-lettered")
-        assert job_id in line and "WorkerLost: delivered 1 times, max_retries=0" in line, second.output()
+        assert second.job_lines() == [], "settled by the fetch, never handed to the worker"
+        assert any(f"job {job_id}" in line and "failed permanently" in line for line in second.err), second.output()
 
     assert len(effects(key)) == 1, "the lost run spent the only run the job had"
     row = Job.objects.get(pk=job_id)  # the audit copy, in the default database
     assert (row.status, row.backend, row.queue, row.attempts) == (JobStatus.FAILED, "beanstalk", "default", 1)
-    assert row.last_error.startswith("WorkerLost: delivered 1 times"), row.last_error
+    assert row.last_error.startswith("WorkerLost: beanstalkd handed it out 1 time(s)"), row.last_error
     assert raw.job("default", bs_id)["state"] == "buried", "beanstalkd's own dead letter"
     assert raw.counts("default") == {**ZERO, "failed": 1}
 
@@ -240,7 +240,7 @@ def test_sigkilled_run_spends_the_budget_of_a_job_without_retries(raw):
 @pytest.mark.usefixtures("postgres_up", "beanstalk_up")
 def test_job_that_kills_its_worker_every_time_is_buried_after_max_retries_plus_one_deliveries(raw):
     """``os._exit`` in the job: each death releases the reservation, ``reserves`` grows, and the
-    fourth delivery arrives with attempts 3 > max_retries 2: buried without running."""
+    fourth delivery arrives with attempts 3 > max_retries 2: the fetch buries it without running."""
     key = unique("bexit")
     job_id = dispatch("exit", key=key, max_retries=2, lease_timeout=1)
     bs_id = only_ready_job(raw)
@@ -260,11 +260,11 @@ def test_job_that_kills_its_worker_every_time_is_buried_after_max_retries_plus_o
     assert len(runs) == 3, "exactly max_retries + 1 deliveries ran"
     assert len({r.pid for r in runs}) == 3, "each delivery killed its process; a new one took over"
     assert sum("died with status 3" in line for line in worker.err) == 3, worker.output()
-    [line] = worker.job_lines()
-    assert line.startswith("dead-lettered") and job_id in line, worker.output()
+    assert worker.job_lines() == [], "no delivery ever completed a run"
+    assert any(f"job {job_id}" in line and "failed permanently" in line for line in worker.err), worker.output()
     row = Job.objects.get(pk=job_id)
     assert (row.status, row.backend, row.attempts) == (JobStatus.FAILED, "beanstalk", 3)
-    assert row.last_error.startswith("WorkerLost: delivered 3 times, max_retries=2"), row.last_error
+    assert row.last_error.startswith("WorkerLost: beanstalkd handed it out 3 time(s)"), row.last_error
     state = raw.job("default", bs_id)
     assert (state["state"], state["reserves"]) == ("buried", 4), state
     assert raw.counts("default") == {**ZERO, "failed": 1}

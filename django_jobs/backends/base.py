@@ -150,34 +150,43 @@ def decode_lease_body(raw: bytes | str) -> tuple[Envelope | None, InvalidPayload
         return None, exc
 
 
+# How many lost-run redeliveries one fetch settles (each waits for its backoff or fails) before
+# it returns None, so a fetch stays short however many crashed deliveries are queued.
+LOST_RUN_BATCH = 10
+
+
 def settle_lost_runs(backend: QueueBackend, lease: Lease, lost: int, how: str) -> bool:
     """The reaper's rule for brokers that expire leases themselves (``native_lease``).
 
     The broker's own delivery count shows that ``lost`` earlier deliveries of this message ended
     without a settle (a worker crashed or stalled): each is a failed run, already added to
     ``lease.envelope.attempts``. As ``reap_expired`` does for the other backends, a job whose
-    retries are spent is failed (``abandon``) and one with retries left waits for its backoff
-    (``nack``), neither counted again. Returns ``True`` when it settled the lease that way, and
-    ``False`` when the lease is to be handed to the worker now (no lost run, a retry due at
-    once, or an envelope the worker must reject first: its fields are not trusted before its
-    signature is checked).
+    retries are spent is failed (``abandon``, logged as critical and counted as
+    ``jobs_failed_permanently``, as the worker does) and one with retries left waits for its
+    backoff (``nack``), neither counted again. Returns ``True`` when it settled the lease that
+    way, and ``False`` when the lease is to be handed to the worker now (no lost run, a retry
+    due at once, or an envelope the worker must reject first: its fields are not trusted
+    before its signature is checked).
     """
     env = lease.envelope
     if lost <= 0 or env is None or not _verifies(env, lease.queue):
         return False
     # This delivery follows one whose lease lapsed: one lease recovered, as the reaper counts.
-    get_collector().increment("jobs_reaped", queue=lease.queue)
+    metrics = get_collector()
+    metrics.increment("jobs_reaped", queue=lease.queue)
     delay = after_lost_run(env.attempts - 1, env.max_retries, env.options)
     if delay is not None and delay <= 0:
         return False
     error = f"WorkerLost: {how} (worker crashed or stalled)"
-    outcome = "failed" if delay is None else f"retried in {delay:g}s"
-    logger.warning("job %s on %s: %s; %s", env.id, lease.queue, error, outcome)
     try:
         if delay is None:
             backend.abandon(lease, error, count_run=False)
+            metrics.increment("jobs_failed_permanently", queue=lease.queue)
+            logger.critical("job %s (%s) failed permanently after %d run(s): %s",
+                            env.id, env.name or env.handler, env.attempts, error)
         else:
             backend.nack(lease, delay, error=error, count_run=False)
+            logger.warning("job %s on %s: %s; retried in %gs", env.id, lease.queue, error, delay)
     except LeaseLost:
         pass  # another delivery of it is being handled elsewhere
     return True

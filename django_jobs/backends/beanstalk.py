@@ -23,7 +23,7 @@ from ..audit import record_failure
 from ..envelope import Envelope
 from ..exceptions import LeaseLost
 from . import require
-from .base import Lease, QueueBackend, decode_lease_body
+from .base import LOST_RUN_BATCH, Lease, QueueBackend, decode_lease_body, settle_lost_runs
 
 greenstalk = require("greenstalk", "beanstalk")
 
@@ -123,24 +123,28 @@ class BeanstalkBackend(QueueBackend):
         return envelope.id
 
     def fetch(self, queue: str) -> Lease | None:
-        with self._using(queue) as tube:
-            job, tube.stash = tube.stash, None
-            if job is None:
-                try:
-                    job = tube.client.reserve(timeout=0)
-                except greenstalk.TimedOutError:
-                    return None
-            stats = tube.client.stats_job(job)
-        # The reservation itself fences: only this connection can settle the job.
-        lease = Lease(token=str(job.id), owner_token=str(job.id), expires_at=self._expiry(), queue=queue, raw=job)
-        lease.envelope, lease.error = decode_lease_body(job.body)
-        if lease.envelope is not None:
-            lease.token = lease.envelope.id
+        for _ in range(LOST_RUN_BATCH):
+            with self._using(queue) as tube:
+                job, tube.stash = tube.stash, None
+                if job is None:
+                    try:
+                        job = tube.client.reserve(timeout=0)
+                    except greenstalk.TimedOutError:
+                        return None
+                stats = tube.client.stats_job(job)
+            # The reservation itself fences: only this connection can settle the job.
+            lease = Lease(token=str(job.id), owner_token=str(job.id), expires_at=self._expiry(), queue=queue, raw=job)
+            lease.envelope, lease.error = decode_lease_body(job.body)
             # Earlier reservations of this very job that ended without a settle (TTR ran out, or
             # the worker's connection died) are lost runs. Our own releases are not: the worker
             # never releases a job it ran (nack puts a copy), only one it never handed out.
-            lease.envelope.attempts += stats["reserves"] - 1 - stats["releases"]
-        return lease
+            lost = stats["reserves"] - 1 - stats["releases"]
+            if lease.envelope is not None:
+                lease.token = lease.envelope.id
+                lease.envelope.attempts += lost
+            if not settle_lost_runs(self, lease, lost, f"beanstalkd handed it out {lost} time(s) without a settle"):
+                return lease
+        return None
 
     def _expiry(self) -> datetime:
         return timezone.now() + timedelta(seconds=self._ttr())

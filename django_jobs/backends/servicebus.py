@@ -26,7 +26,7 @@ from ..audit import record_failure
 from ..envelope import Envelope
 from ..exceptions import InvalidPayload, LeaseLost
 from . import require
-from .base import Lease, QueueBackend, decode_lease_body, settle_lost_runs
+from .base import LOST_RUN_BATCH, Lease, QueueBackend, decode_lease_body, settle_lost_runs
 
 require("azure.servicebus", "servicebus")
 
@@ -48,9 +48,6 @@ LOCK_LOST = (MessageLockLostError, MessageAlreadySettled, MessageNotFoundError)
 # header limits (the full error is kept in the failed Job row).
 MAX_REASON_CHARS = 256
 MAX_DESCRIPTION_CHARS = 4096
-# Deliveries settled inside one fetch because they were lost runs (failed, or waiting for their
-# backoff) before fetch returns None and lets the worker come back.
-LOST_RUN_BATCH = 10
 PURGE_BATCH = 100
 
 
