@@ -26,6 +26,14 @@ from tests.testapp.models import SideEffect
 BACKENDS = ["default", "pg"]  # the database backend on SQLite and on PostgreSQL
 
 
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each test runs on the database backend over SQLite and over PostgreSQL."""
+    if request.param == "pg":
+        request.getfixturevalue("postgres_up")
+    return request.param
+
+
 # -- settings --------------------------------------------------------------------------------
 
 @contextmanager

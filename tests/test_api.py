@@ -19,10 +19,10 @@ from django_jobs.handlers import ShellHandler
 from django_jobs.models import Job
 from django_jobs.worker import QueueWorker
 from tests.api_support import (
-    BACKENDS,
     GiveUpHandler,
     alias,
     bare_job,
+    backend,  # noqa: F401  (fixture)
     clean_state,  # noqa: F401  (fixture)
     configured_job,
     counter,
@@ -37,12 +37,6 @@ from tests.testapp.jobs import scripted
 
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
 
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    if request.param == "pg":
-        request.getfixturevalue("postgres_up")
-    return request.param
 
 
 def other_alias(backend: str) -> str:

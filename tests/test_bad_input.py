@@ -19,8 +19,8 @@ from django_jobs.exceptions import InvalidPayload
 from django_jobs.models import Job
 from django_jobs.worker import QueueWorker
 from tests.api_support import (
-    BACKENDS,
     alias,
+    backend,  # noqa: F401  (fixture)
     clean_state,  # noqa: F401  (fixture)
     counter,
     jobs_settings,
@@ -31,12 +31,6 @@ from tests.testapp.jobs import scripted
 
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
 
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    if request.param == "pg":
-        request.getfixturevalue("postgres_up")
-    return request.param
 
 
 def raw_update(backend: str, job_id: str, column: str, value: object) -> None:

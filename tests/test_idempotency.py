@@ -11,8 +11,8 @@ from django_jobs import Jobs
 from django_jobs.idempotency import IdempotencyGuard
 from django_jobs.worker import QueueWorker
 from tests.api_support import (
-    BACKENDS,
     RecordingLocMemCache,
+    backend,  # noqa: F401  (fixture)
     clean_state,  # noqa: F401  (fixture)
     counter,
     drain,
@@ -26,12 +26,6 @@ from tests.testapp.jobs import scripted
 
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
 
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    if request.param == "pg":
-        request.getfixturevalue("postgres_up")
-    return request.param
 
 
 def test_a_key_that_succeeded_skips_later_deliveries(backend):

@@ -14,8 +14,8 @@ from django_jobs.models import Job
 from django_jobs.reaper import Reaper
 from django_jobs.worker import QueueWorker
 from tests.api_support import (
-    BACKENDS,
     alias,
+    backend,  # noqa: F401  (fixture)
     clean_state,  # noqa: F401  (fixture)
     counter,
     drain,
@@ -27,12 +27,6 @@ from tests.testapp.jobs import scripted
 
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
 
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    if request.param == "pg":
-        request.getfixturevalue("postgres_up")
-    return request.param
 
 
 def counters() -> dict[str, float]:
