@@ -31,7 +31,9 @@ class JobBuilder:
 
     def __init__(self, handler: str, payload: Any = None) -> None:
         self._handler = handler
-        self._payload = payload
+        # No payload is an empty object: every backend stores JSON, and the Job table's column
+        # is not nullable.
+        self._payload = {} if payload is None else payload
         self._opts: dict[str, Any] = {}
 
     def _set(self, **values: Any) -> JobBuilder:
@@ -118,9 +120,8 @@ class JobBuilder:
         text = dumps_payload(self._payload)
         if _ESCAPED_NUL.search(text):
             raise InvalidPayload("payload contains U+0000, which PostgreSQL cannot store; encode binary data")
-        size = len(text)
-        if size > conf.get("MAX_MESSAGE_BYTES"):
-            raise InvalidPayload(f"payload of {size} bytes exceeds JOBS['MAX_MESSAGE_BYTES']")
+        if len(text) > conf.get("MAX_MESSAGE_BYTES"):  # cheap early refusal; the whole message is checked below
+            raise InvalidPayload(f"payload of {len(text)} bytes exceeds JOBS['MAX_MESSAGE_BYTES']")
         options = {k: opts[k] for k in ("backoff", "retry_on", "single_instance") if opts.get(k)}
         env = Envelope(
             id=new_id(),
@@ -136,6 +137,10 @@ class JobBuilder:
             options=options,
         )
         env.signature = signing.sign(env)
+        # The cap a worker applies to the whole encoded message: refuse here what it would reject.
+        size = len(env.to_bytes())
+        if size > conf.get("MAX_MESSAGE_BYTES"):
+            raise InvalidPayload(f"message of {size} bytes exceeds JOBS['MAX_MESSAGE_BYTES']")
         return env
 
     @property

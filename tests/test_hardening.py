@@ -118,3 +118,28 @@ def test_a_job_longer_than_its_lease_is_heartbeated_and_never_reaped(postgres_up
     assert sum(reaped) == 0
     row = Job.objects.using("postgres").get(pk=job_id)
     assert (row.status, row.attempts) == ("completed", 1)
+
+
+@pytest.mark.django_db
+def test_a_job_without_payload_runs_with_an_empty_object():
+    seen = []
+
+    class Handler:
+        def handle(self, context):
+            seen.append(context.payload)
+
+    from django_jobs import registry
+
+    registry.register("tests.no-payload", Handler())
+    job_id = Jobs.define("tests.no-payload").dispatch()
+    assert QueueWorker("default").process_once().status == "acked"
+    assert seen == [{}] and Job.objects.get(pk=job_id).payload == {}
+
+
+def test_the_message_cap_applies_to_the_whole_envelope_at_dispatch():
+    from django_jobs.exceptions import InvalidPayload
+
+    with override_settings(JOBS={**settings.JOBS, "MAX_MESSAGE_BYTES": 400}):
+        # The payload alone fits; with the envelope's fields and signature it does not.
+        with pytest.raises(InvalidPayload, match="message of"):
+            Jobs.define("command", "x" * 300).build()
