@@ -116,32 +116,50 @@ def manage(env: dict[str, str], *argv: str, timeout: float = 900) -> None:
 
 
 class Postgres:
+    """The harness's own connection to the maintenance database (CREATE/DROP DATABASE, statistics).
+
+    It reconnects once when the server has gone away meanwhile (a restart by
+    something else on the machine), rather than losing the whole benchmark.
+    """
+
     def __init__(self, args: argparse.Namespace):
         import psycopg  # the harness needs it only to create/drop databases
 
-        self.conn = psycopg.connect(
-            host=args.pg_host, port=args.pg_port, user=args.pg_user, dbname=args.pg_maintenance_db,
-            autocommit=True,
-        )
+        self.psycopg = psycopg
+        self.params = dict(host=args.pg_host, port=args.pg_port, user=args.pg_user,
+                           dbname=args.pg_maintenance_db, autocommit=True)
+        self.conn = psycopg.connect(**self.params)
         self.prefix = args.pg_prefix
         self.created: set[str] = set()
 
+    def execute(self, sql: str, params: tuple = ()):
+        try:
+            return self.conn.execute(sql, params)
+        except self.psycopg.OperationalError:
+            try:
+                self.conn.close()
+            except Exception:
+                pass
+            time.sleep(2)
+            self.conn = self.psycopg.connect(**self.params)
+            return self.conn.execute(sql, params)
+
     def version(self) -> str:
-        return self.conn.execute("SHOW server_version").fetchone()[0]
+        return self.execute("SHOW server_version").fetchone()[0]
 
     def name(self, system: str) -> str:
         return f"{self.prefix}_{system}"
 
     def fresh(self, system: str) -> str:
         name = self.name(system)
-        self.conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        self.conn.execute(f'CREATE DATABASE "{name}"')
+        self.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        self.execute(f'CREATE DATABASE "{name}"')
         self.created.add(name)
         return name
 
     def xact_stats(self, name: str) -> dict[str, int]:
-        self.conn.execute("SELECT pg_stat_clear_snapshot()")
-        row = self.conn.execute(
+        self.execute("SELECT pg_stat_clear_snapshot()")
+        row = self.execute(
             "SELECT xact_commit + xact_rollback, tup_inserted, tup_updated, tup_deleted, tup_fetched"
             " FROM pg_stat_database WHERE datname = %s",
             (name,),
@@ -151,7 +169,7 @@ class Postgres:
 
     def drop_all(self) -> None:
         for name in sorted(self.created):
-            self.conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            self.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         self.created.clear()
 
     def close(self) -> None:
@@ -168,7 +186,7 @@ def drain(env: dict[str, str], system: str, n: int, timeout: float, log_path: Pa
     else:
         cmd = [sys.executable, str(HERE / "manage.py"), "db_worker", "--batch", "--no-startup-delay",
                "--no-reload", "--max-tasks", str(n)]
-    before = pg.xact_stats(dbname) if pg else None
+    before = pg.xact_stats(dbname) if pg and dbname else None
     with open(log_path, "w") as log:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -185,7 +203,7 @@ def drain(env: dict[str, str], system: str, n: int, timeout: float, log_path: Pa
             timed_out = True
         wall = time.perf_counter() - t0
     # let PostgreSQL's cumulative statistics settle (the worker flushed them on exit)
-    after = pg.xact_stats(dbname) if pg else None
+    after = pg.xact_stats(dbname) if pg and dbname else None
     st = driver(env, "stats")
     out = {"cmd": cmd[2:], "returncode": rc, "timed_out": timed_out, "wall_seconds": wall, "rows": st}
     if before and after:
@@ -433,7 +451,7 @@ def main() -> int:
     for c in cmas:
         if c != "none" and not c.isdigit():
             parser.error(f"--conn-max-age: {c!r} is neither a number of seconds nor 'none'")
-    variants = [(engine, cma) for engine in engines for cma in cmas]
+    variants = [(engine, cma) for cma in cmas for engine in engines]
 
     tmpdir = Path(tempfile.mkdtemp(prefix="django-jobs-bench-"))
     first_on_path, source = django_jobs_source(args, tmpdir)
@@ -464,6 +482,20 @@ def main() -> int:
         print("  note: django_jobs/ has uncommitted changes; --ref HEAD benchmarks the committed code", flush=True)
 
     all_runs: list[dict] = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"bench-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+
+    def save(complete: bool) -> str:
+        """Write the JSON; called after every run so an interrupted benchmark keeps what it measured."""
+        summary = summarise(all_runs, variants, systems)
+        table = render(summary, variants, systems, args.jobs, args.runs)
+        meta["complete"] = complete
+        meta["finished"] = dt.datetime.now(dt.timezone.utc).isoformat()
+        out.write_text(json.dumps({"meta": meta, "summary": summary, "table": table, "runs": all_runs},
+                                  indent=2, default=str))
+        return table
+
+    complete = False
     try:
         for engine, cma in variants:
             label = variant_label(engine, cma, len(cmas) > 1)
@@ -474,9 +506,9 @@ def main() -> int:
                     try:
                         r = one_run(args, env0, engine, cma, system, run_idx, tmpdir, pg,
                                     probe=run_idx == 0 and args.probe_jobs > 0)
-                    except (BenchError, subprocess.TimeoutExpired) as exc:
+                    except Exception as exc:  # record it and go on with the next run
                         r = {"engine": engine, "conn_max_age": cma, "system": system, "run": run_idx,
-                             "error": str(exc)}
+                             "error": f"{type(exc).__name__}: {exc}"}
                     r["n"] = args.jobs
                     all_runs.append(r)
                     bits = []
@@ -499,24 +531,24 @@ def main() -> int:
                         part = r.get(key)
                         if isinstance(part, dict) and "error" in part:
                             print(f"    {key}: " + str(part["error"]).replace("\n", "\n    ")[:3000], flush=True)
+                    save(complete=False)
+        complete = True
     finally:
-        if pg:
-            if not args.keep:
-                pg.drop_all()
-            pg.close()
+        try:
+            if pg:
+                if not args.keep:
+                    pg.drop_all()
+                pg.close()
+        except Exception as exc:
+            print(f"warning: could not drop the benchmark databases: {exc}", file=sys.stderr)
         if not args.keep:
             shutil.rmtree(tmpdir, ignore_errors=True)
-
-    summary = summarise(all_runs, variants, systems)
-    table = render(summary, variants, systems, args.jobs, args.runs)
-    print()
-    print(table)
-    meta["finished"] = dt.datetime.now(dt.timezone.utc).isoformat()
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"bench-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
-    out.write_text(json.dumps({"meta": meta, "summary": summary, "table": table, "runs": all_runs},
-                              indent=2, default=str))
-    print(f"\nresults: {out}")
+        table = save(complete)
+        print()
+        if not complete:
+            print("INTERRUPTED: figures below cover the runs that finished")
+        print(table)
+        print(f"\nresults: {out}")
     failed = [r for r in all_runs if "error" in r or any(
         isinstance(r.get(k), dict) and "error" in r[k] for k in ("dispatch", "dispatch_bulk", "drain"))]
     return 1 if failed else 0

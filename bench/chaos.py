@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""The chaos battery (issue 5): crash recovery, poison jobs, a tamper flood, graceful shutdown
+and a soak, against real ``jobs_work`` processes on one backend. Prints JSON on stdout.
+
+    python bench/chaos.py --backend postgres|redis|beanstalk \\
+        --scenario crash|poison|tamper|shutdown|soak|all[,...] [--jobs N] [--seconds S] [--short]
+
+What it sets up (and tears down):
+- a dedicated PostgreSQL database (``--db-name``, default ``chaos_jobs``), created fresh and
+  dropped at the end; it holds the jobs of the postgres backend, the failed-job rows of the
+  other backends, and the side-effect tables every run writes to (bench/chaos/jobs.py);
+- redis: a PRIVATE ``redis-server --appendonly yes --appendfsync everysec`` on a free loopback
+  port, in a temp dir; beanstalk: a PRIVATE ``beanstalkd -b <tmpdir>`` on a free port;
+- worker processes: ``python -m django jobs_work default other --backend chaos`` with
+  DJANGO_SETTINGS_MODULE=bench.chaos.settings, each in its own process group.
+
+The postgres crash scenario restarts the SHARED PostgreSQL server twice
+(``pg_ctlcluster --skip-systemctl-redirect <version> main restart -m immediate``);
+``--short`` and ``--no-db-restart`` skip that (kills and stops still happen). Progress goes to
+stderr. Exit status: 0 when every scenario ran (whatever its figures), 1 on an error.
+Figures and their meaning: docs/reliability.md, "Chaos battery".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+# `python bench/chaos.py` puts bench/ first on sys.path, where `chaos` would be this file: import
+# bench.chaos.* (and django_jobs) from the repository root instead.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(REPO))
+
+ORDER = ("crash", "poison", "tamper", "shutdown", "soak")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", required=True, choices=("postgres", "redis", "beanstalk"))
+    parser.add_argument("--scenario", default="all",
+                        help="crash, poison, tamper, shutdown, soak, all, or a comma-separated list")
+    parser.add_argument("--jobs", type=int, help="jobs per scenario (crash 5000, poison 1000, tamper 10000 good "
+                                                 "+ as many bad; --short: 300)")
+    parser.add_argument("--seconds", type=float, help="soak duration (default 600; --short: 30)")
+    parser.add_argument("--short", action="store_true", help="small sizes, no shared-PostgreSQL restart")
+    parser.add_argument("--job-ms", type=float, help="sleep of a healthy job in ms (default 5; crash --short: 50)")
+    parser.add_argument("--lease", type=float, default=2.0, help="LEASE_TIMEOUT in seconds (default 2)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed (targets of kills and stops)")
+    parser.add_argument("--no-db-restart", action="store_true", help="postgres: do not restart the server")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds a drain may take before it is "
+                                                                    "reported as not drained (default 900)")
+    parser.add_argument("--db-name", default=os.environ.get("CHAOS_PG_NAME", "chaos_jobs"))
+    parser.add_argument("--pg-host", default=os.environ.get("CHAOS_PG_HOST", "127.0.0.1"))
+    parser.add_argument("--pg-port", default=os.environ.get("CHAOS_PG_PORT", "5432"))
+    parser.add_argument("--pg-user", default=os.environ.get("CHAOS_PG_USER", "postgres"))
+    parser.add_argument("--out", type=Path, help="also write the JSON to this file")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (worker logs) and the database")
+    args = parser.parse_args(argv)
+    names = ORDER if args.scenario == "all" else tuple(s.strip() for s in args.scenario.split(",") if s.strip())
+    unknown = [s for s in names if s not in ORDER]
+    if unknown:
+        parser.error(f"unknown scenario(s): {', '.join(unknown)}")
+    args.scenarios = names
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    seed = args.seed if args.seed is not None else int(time.time()) % 100000
+    workdir = Path(tempfile.mkdtemp(prefix=f"chaos-{args.backend}-"))
+    from bench.chaos.servers import Postgres, PrivateBeanstalkd, PrivateRedis
+
+    pg = Postgres(args.db_name, args.pg_host, args.pg_port, args.pg_user, os.environ.get("CHAOS_PG_PASSWORD", ""))
+    env = {
+        "CHAOS_BACKEND": args.backend, "CHAOS_PG_NAME": args.db_name, "CHAOS_PG_HOST": args.pg_host,
+        "CHAOS_PG_PORT": str(args.pg_port), "CHAOS_PG_USER": args.pg_user, "CHAOS_LEASE_TIMEOUT": str(args.lease),
+        "CHAOS_PREFIX": f"chaos{os.getpid()}", "DJANGO_SETTINGS_MODULE": "bench.chaos.settings",
+        "PYTHONUNBUFFERED": "1",
+    }
+    server = None
+    report: dict = {
+        "backend": args.backend, "short": args.short, "seed": seed, "command": " ".join(["python", "bench/chaos.py",
+                                                                                          *(argv or sys.argv[1:])]),
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_before": os.getloadavg()},
+        "workdir": str(workdir), "scenarios": {}, "scenario_seconds": {}, "errors": {},
+    }
+    code = 0
+    try:
+        if args.backend == "redis":
+            server = PrivateRedis(workdir)
+            server.start()
+            env["CHAOS_REDIS_URL"] = server.url
+            report["redis_version"] = _version(["redis-server", "--version"])
+        elif args.backend == "beanstalk":
+            server = PrivateBeanstalkd(workdir)
+            server.start()
+            env["CHAOS_BEANSTALK"] = f"127.0.0.1:{server.port}"
+            report["beanstalkd_version"] = _version(["beanstalkd", "-v"])
+        pg.create()
+        os.environ.update(env)
+        worker_env = dict(os.environ)
+        worker_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+        import django
+        from django.core.management import call_command
+
+        django.setup()
+        call_command("migrate", verbosity=0)
+        from django.db import connection
+
+        from bench.chaos.jobs import TABLES
+        from bench.chaos.probe import Probe
+        from bench.chaos.scenarios import SCENARIOS, Context, log
+
+        with connection.cursor() as cursor:
+            cursor.execute(TABLES)
+            report["postgres_version"] = connection.pg_version
+        import random
+
+        report["django"] = django.get_version()
+        report["django_jobs_commit"] = _version(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+        ctx = Context(
+            kind=args.backend, short=args.short, workdir=workdir, env=worker_env,
+            probe=Probe(args.backend, server), server=server if server is not None else pg, lease=args.lease,
+            seed=seed, jobs=args.jobs, seconds=args.seconds, job_ms=args.job_ms,
+            restart_database=not (args.short or args.no_db_restart), timeout=args.timeout,
+            rng=random.Random(seed),
+        )
+        for name in args.scenarios:
+            log(f"{args.backend}: scenario {name} (seed {seed})")
+            started = time.monotonic()
+            try:
+                report["scenarios"][name] = SCENARIOS[name](ctx)
+            except Exception:  # noqa: BLE001 - reported, the other scenarios still run
+                report["errors"][name] = traceback.format_exc()
+                log(f"{name} FAILED:\n{report['errors'][name]}")
+                code = 1
+            report["scenario_seconds"][name] = round(time.monotonic() - started, 1)
+            log(f"{args.backend}: scenario {name} done in {report['scenario_seconds'][name]}s")
+    except Exception:  # noqa: BLE001
+        report["errors"]["setup"] = traceback.format_exc()
+        print(report["errors"]["setup"], file=sys.stderr)
+        code = 1
+    finally:
+        report["machine"]["loadavg_after"] = os.getloadavg()
+        try:
+            from django.db import connections
+
+            connections.close_all()
+        except Exception:  # noqa: BLE001
+            pass
+        if server is not None:
+            server.kill()
+        if not args.keep:
+            try:
+                pg.drop()
+            except Exception as exc:  # noqa: BLE001
+                report["errors"]["drop_database"] = repr(exc)
+            shutil.rmtree(workdir, ignore_errors=True)
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return code
+
+
+def _version(argv: list[str]) -> str | None:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The chaos battery's helpers (bench/chaos.py is the entry point)."""
