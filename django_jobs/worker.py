@@ -96,11 +96,19 @@ class QueueWorker:
         self.busy_delay = busy_delay
         self.heartbeat = Heartbeat(self.backend, self.lease_seconds, self._hard_timeout)
         self.stopping = False
+        # run() lets a successful ack lease the next job in the same round trip (where the backend
+        # pipelines it): ``_ready`` is that job; ``_chain`` says whether one may be taken now.
+        self._ready: Lease | None = None
+        self._chain: tuple[Callable[[], bool], Callable[[], None]] | None = None
 
     # -- one delivery --
 
     def process_once(self, queue: str | None = None) -> WorkerResult:
         """Fetch at most one message (from ``queue`` or each worker queue in order) and settle it."""
+        ready = self._ready
+        if ready is not None and queue in (None, ready.queue):
+            self._ready = None
+            return self.process(ready)
         for name in (queue,) if queue else self.queues:
             lease = self.backend.fetch(name)
             if lease is not None:
@@ -186,7 +194,7 @@ class QueueWorker:
             if guard and key:
                 # Before the ack: if the ack finds the lease lost, the redelivery is skipped.
                 guard.succeeded(key)
-            result = self._settle(lease, env, "acked", self.backend.ack)
+            result = self._settle(lease, env, "acked", self._ack)
             if result.status == "acked":
                 self.metrics.increment("jobs_succeeded", queue=queue)
             result.seconds = seconds
@@ -255,6 +263,28 @@ class QueueWorker:
         result.handler = env.handler if env else None
         return result
 
+    def _ack(self, lease: Lease, *, count_run: bool = True) -> None:
+        """Ack; inside run(), also lease the next job in the same round trip where that is free."""
+        chain = self._chain
+        if chain is None or not count_run or not self.backend.pipelines_ack_fetch or not chain[0]():
+            return self.backend.ack(lease, count_run=count_run)
+        try:
+            # The first queue, as process_once would try first: priorities between queues hold.
+            self._ready = self.backend.ack_and_fetch(lease, self.queues[0])
+        finally:
+            if self._ready is None:
+                chain[1]()  # nothing was leased ahead: return its --max ticket
+
+    def _release_ready(self) -> None:
+        """A job leased ahead but not started goes straight back, not counted as a run."""
+        lease, self._ready = self._ready, None
+        if lease is None or lease.envelope is None:
+            return
+        try:
+            self.backend.nack(lease, 0, count_run=False)
+        except Exception:  # noqa: BLE001 - it stays leased and the reaper returns it
+            logger.warning("job %s: could not hand back the job leased ahead", lease.token, exc_info=True)
+
     def _requeue_unrun(self, lease: Lease, env: Envelope) -> WorkerResult:
         """Another delivery holds this job's key or lock: try again later, not counted as a run."""
         return self._settle(lease, env, "requeued", self.backend.nack, self.busy_delay, count_run=False)
@@ -309,12 +339,26 @@ class QueueWorker:
         reaper = Reaper(self.backend, self.queues, metrics=self.metrics) if reap else None
         next_reap = time.monotonic()
         done = failures = 0
+
+        def may_lease_next() -> bool:
+            if once or self.stopping or (deadline and time.monotonic() >= deadline):
+                return False
+            if max_jobs is not None and done + 1 >= max_jobs:  # the job being acked is done + 1
+                return False
+            return budget is None or budget.take()
+
+        def unused_ticket() -> None:
+            if budget is not None:
+                budget.give_back()
+
+        self._chain = (may_lease_next, unused_ticket)
         self.heartbeat.start()
         try:
             while not self.stopping and not (deadline and time.monotonic() >= deadline):
                 if max_jobs is not None and done >= max_jobs:
                     break
-                if budget is not None and not budget.take():
+                # A job leased ahead already holds its ticket.
+                if self._ready is None and budget is not None and not budget.take():
                     break
                 try:
                     if reaper and time.monotonic() >= next_reap:
@@ -345,6 +389,10 @@ class QueueWorker:
                 if once:
                     break
         finally:
+            self._chain = None
+            if self._ready is not None:
+                self._release_ready()
+                unused_ticket()
             self.heartbeat.stop()
         return done
 

@@ -691,3 +691,71 @@ def test_overriding_jobs_inside_a_transaction_keeps_the_database_usable(alias, r
     with override_settings(JOBS={**settings.JOBS, "LEASE_TIMEOUT": 5}):
         assert get_backend(name).size("default") == 0
     assert Job.objects.using(alias).count() == 0
+
+
+# -- ack_and_fetch: settle one message and lease the next (one round trip where pipelined) --
+
+
+def test_ack_and_fetch_settles_one_and_leases_the_next(queue_backend, backend_case):
+    require_queue(queue_backend)
+    first, second = enqueue(queue_backend, backend_case), enqueue(queue_backend, backend_case)
+    lease = fetch(queue_backend)
+    assert lease.envelope.id == first.id
+
+    following = queue_backend.ack_and_fetch(lease, "default")
+
+    assert following is not None and following.envelope is not None
+    assert following.envelope.id == second.id
+    assert queue_backend.size("default") == 1  # the second, leased
+    queue_backend.ack(following)
+    assert queue_backend.ack_and_fetch(fetch_again(queue_backend, backend_case), "default") is None
+
+
+def fetch_again(backend: QueueBackend, case: BackendCase) -> Lease:
+    enqueue(backend, case)
+    return fetch(backend)
+
+
+def test_ack_and_fetch_with_a_stale_lease_leases_nothing(queue_backend, backend_case):
+    require_queue(queue_backend)
+    enqueue(queue_backend, backend_case, max_retries=1)
+    lease = fetch(queue_backend)
+    queue_backend.ack(lease)
+    waiting = enqueue(queue_backend, backend_case)
+
+    with pytest.raises(LeaseLost):
+        queue_backend.ack_and_fetch(lease, "default")
+
+    assert fetch(queue_backend).envelope.id == waiting.id  # still there for a worker
+
+
+def test_a_worker_never_takes_more_jobs_than_max_jobs(queue_backend, backend_case):
+    require_queue(queue_backend)
+    ids = [enqueue(queue_backend, backend_case).id for _ in range(5)]
+    results = []
+
+    QueueWorker(queue_backend, ["default"]).run(max_jobs=3, on_result=results.append, reap=False)
+
+    assert [r.job_id for r in results] == ids[:3]
+    assert queue_backend.size("default") == 2  # ready, not leased ahead and left behind
+    assert [fetch(queue_backend).envelope.id for _ in range(2)] == ids[3:]
+
+
+def test_a_stopping_worker_hands_back_the_job_it_leased_ahead(queue_backend, backend_case):
+    require_queue(queue_backend)
+    ids = [enqueue(queue_backend, backend_case).id for _ in range(3)]
+    worker = QueueWorker(queue_backend, ["default"])
+    results = []
+
+    def stop_after_first(result):
+        results.append(result)
+        worker.stop()
+
+    worker.run(on_result=stop_after_first, reap=False)
+
+    assert [r.job_id for r in results] == ids[:1]
+    # Both remaining jobs are ready again at once (none left leased until its lease expires),
+    # and neither counts a run.
+    rest = [fetch(queue_backend).envelope for _ in range(2)]
+    assert sorted(env.id for env in rest) == sorted(ids[1:])
+    assert [env.attempts for env in rest] == [0, 0]

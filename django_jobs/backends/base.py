@@ -48,6 +48,8 @@ class QueueBackend(ABC):
     native_lease: bool = False
     # abandon() uses the broker's own dead-letter mechanism.
     native_dead_letter: bool = False
+    # ack_and_fetch() settles one message and leases the next in a single round trip.
+    pipelines_ack_fetch: bool = False
     # A failed run can be requeued for another attempt (the sync backend runs each job once).
     supports_retry: bool = True
     # Messages survive a restart of the backend.
@@ -103,6 +105,12 @@ class QueueBackend(ABC):
     def stats(self, queue: str) -> dict[str, int]:
         """Counts for ``jobs_stats``: pending, delayed, in_progress, failed."""
         return {"pending": self.size(queue), "delayed": 0, "in_progress": 0, "failed": 0}
+
+    def ack_and_fetch(self, lease: Lease, queue: str) -> Lease | None:
+        """``ack(lease)``, then lease the next message of ``queue``. A ``LeaseLost`` from the ack
+        leases nothing. Backends with ``pipelines_ack_fetch`` do both in one round trip."""
+        self.ack(lease)
+        return self.fetch(queue)
 
     def purge_failed(self, queue: str, older_than: timedelta | None = None) -> int:
         """Forget failed messages kept by the broker itself (``jobs_purge --status failed``).

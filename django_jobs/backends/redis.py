@@ -28,7 +28,7 @@ from .base import Lease, QueueBackend, decode_lease_body
 redis = require("redis", "redis")
 
 KINDS = ("waiting", "delayed", "processing", "owners", "bodies", "priorities", "sequence", "notify", "failed", "errors")
-SCRIPTS = ("enqueue", "fetch", "ack", "nack", "abandon", "extend", "reap")
+SCRIPTS = ("enqueue", "fetch", "ack", "ack_fetch", "nack", "abandon", "extend", "reap")
 # Priorities share a float64 score with a 40-bit sequence number: keep them exact.
 PRIORITY_LIMIT = 8000
 REAP_BATCH = 500
@@ -53,6 +53,7 @@ class RedisBackend(QueueBackend):
     reused), ``PREFIX`` (default ``django_jobs``)."""
 
     supports_priority = True
+    pipelines_ack_fetch = True
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
@@ -119,15 +120,31 @@ class RedisBackend(QueueBackend):
         return [e.id for e in envelopes]
 
     def fetch(self, queue: str) -> Lease | None:
-        owner = secrets.token_hex(16)
-        lease_seconds = conf.get("LEASE_TIMEOUT")
+        owner, now, deadline = self._new_lease()
+        job_id, body = self._run("fetch", queue, now, deadline, owner)
+        return self._leased(queue, job_id, body, owner, deadline)
+
+    def ack_and_fetch(self, lease: Lease, queue: str) -> Lease | None:
+        if queue != lease.queue:  # one script touches one queue's keys (one cluster slot)
+            return super().ack_and_fetch(lease, queue)
+        owner, now, deadline = self._new_lease()
+        reply = self._run("ack_fetch", queue, lease.token, lease.owner_token, now, deadline, owner)
+        if not reply[0]:
+            raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
+        return self._leased(queue, reply[1], reply[2], owner, deadline)
+
+    @staticmethod
+    def _new_lease() -> tuple[str, int, int]:
         now = time.time()
-        job_id, body = self._run("fetch", queue, _ms(now), _ms(now + lease_seconds), owner)
+        return secrets.token_hex(16), _ms(now), _ms(now + conf.get("LEASE_TIMEOUT"))
+
+    def _leased(self, queue: str, job_id: bytes | None, body: bytes | None, owner: str, deadline: int) -> Lease | None:
+        """The Lease for what a fetch script returned (``job_id`` None: empty, ``body`` = next due)."""
         if job_id is None:
             self._next_due[queue] = float(body) / 1000 if body is not None else 0.0
             return None
         token = job_id.decode()
-        lease = Lease(token=token, owner_token=owner, expires_at=_from_ms(_ms(now + lease_seconds)), queue=queue)
+        lease = Lease(token=token, owner_token=owner, expires_at=_from_ms(deadline), queue=queue)
         if body is None:
             lease.error = InvalidPayload(f"message {token!r} has no body")
         else:

@@ -1,7 +1,4 @@
--- ARGV: id, owner. The message is done: forget it.
-local id = ARGV[1]
-if not owned(id, ARGV[2]) then return 0 end
-release(id)
-redis.call('HDEL', B, id)
-redis.call('HDEL', PR, id)
+-- ARGV: id, owner.
+if not owned(ARGV[1], ARGV[2]) then return 0 end
+forget(ARGV[1])
 return 1

@@ -35,3 +35,28 @@ local function requeue(id, due, now)
     ready(id)
   end
 end
+
+-- The message is done: forget it.
+local function forget(id)
+  release(id)
+  redis.call('HDEL', B, id)
+  redis.call('HDEL', PR, id)
+end
+
+-- Promote due delayed messages, then lease the first waiting one to `owner` until `deadline`.
+-- Returns {id, body} or {false, next_due_ms_or_false}.
+local function lease_next(now, deadline, owner)
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', D, '-inf', now, 'LIMIT', 0, 200)) do
+    redis.call('ZREM', D, id)
+    ready(id)
+  end
+  local popped = redis.call('ZPOPMIN', W)
+  if #popped == 0 then
+    local nxt = redis.call('ZRANGE', D, 0, 0, 'WITHSCORES')
+    return {false, nxt[2] or false}
+  end
+  local id = popped[1]
+  redis.call('ZADD', R, deadline, id)
+  redis.call('HSET', O, id, owner)
+  return {id, redis.call('HGET', B, id) or false}
+end
