@@ -69,7 +69,10 @@ class Envelope:
         parsers can never disagree about what a signed message says.
         """
         limit = conf.get("MAX_MESSAGE_BYTES")
-        if len(raw) > limit:
+        if isinstance(raw, str):  # a text body (Service Bus): the cap is on its UTF-8 bytes
+            if len(raw) > limit or len(raw.encode("utf-8", "surrogatepass")) > limit:
+                raise InvalidPayload(f"message of over {limit} bytes exceeds the cap")
+        elif len(raw) > limit:
             raise InvalidPayload(f"message of {len(raw)} bytes exceeds the {limit}-byte cap")
         try:
             data = json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)

@@ -47,6 +47,8 @@ class RetryPolicy:
         return max(delay, 0.0)
 
     def _raw(self, attempt: int, multiplier: float) -> float:
+        if self.base == 0:
+            return 0.0  # base * anything: even when the growth factor overflows
         try:
             raw = self.base * multiplier ** (attempt - 2)
         except OverflowError:

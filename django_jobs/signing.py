@@ -86,6 +86,8 @@ def verify(envelope: Envelope) -> None:
     signature = envelope.signature
     if not signature or not isinstance(signature, str):
         raise BadSignature(f"job {envelope.id!r} has no signature")
+    if not signature.isascii():  # compare_digest refuses non-ASCII str with TypeError
+        raise BadSignature(f"job {envelope.id!r} has an invalid signature")
     message = canonical(envelope.signed_fields())
     for key in signing_keys():
         if hmac.compare_digest(_mac(key, message), signature):

@@ -187,6 +187,8 @@ TOLERANCE = 1e-9  # relative: float rounding of raw * factor
 
 
 def raw_delay(base: float, multiplier: float, maximum: float, attempt: int) -> float:
+    if base == 0:
+        return 0.0  # base * anything, even a growth factor that overflows
     try:
         return min(base * multiplier ** (attempt - 2), maximum)
     except OverflowError:

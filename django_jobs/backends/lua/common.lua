@@ -41,6 +41,7 @@ local function forget(id)
   release(id)
   redis.call('HDEL', B, id)
   redis.call('HDEL', PR, id)
+  redis.call('HDEL', E, id)
 end
 
 -- Promote due delayed messages, then lease the first waiting one to `owner` until `deadline`.
