@@ -48,18 +48,26 @@ ORDER = ("crash", "poison", "tamper", "shutdown", "soak")
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", required=True, choices=("postgres", "redis", "beanstalk"))
-    parser.add_argument("--scenario", default="all",
-                        help="crash, poison, tamper, shutdown, soak, all, or a comma-separated list")
-    parser.add_argument("--jobs", type=int, help="jobs per scenario (crash 5000, poison 1000, tamper 10000 good "
-                                                 "+ as many bad; --short: 300)")
+    parser.add_argument(
+        "--scenario", default="all", help="crash, poison, tamper, shutdown, soak, all, or a comma-separated list"
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        help="jobs per scenario (crash 5000, poison 1000, tamper 10000 good + as many bad; --short: 300)",
+    )
     parser.add_argument("--seconds", type=float, help="soak duration (default 600; --short: 30)")
     parser.add_argument("--short", action="store_true", help="small sizes, no shared-PostgreSQL restart")
     parser.add_argument("--job-ms", type=float, help="sleep of a healthy job in ms (default 5; crash --short: 50)")
     parser.add_argument("--lease", type=float, default=2.0, help="LEASE_TIMEOUT in seconds (default 2)")
     parser.add_argument("--seed", type=int, default=None, help="random seed (targets of kills and stops)")
     parser.add_argument("--no-db-restart", action="store_true", help="postgres: do not restart the server")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds a drain may take before it is "
-                                                                    "reported as not drained (default 900)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=900,
+        help="seconds a drain may take before it is reported as not drained (default 900)",
+    )
     parser.add_argument("--db-name", default=os.environ.get("CHAOS_PG_NAME", "chaos_jobs"))
     parser.add_argument("--pg-host", default=os.environ.get("CHAOS_PG_HOST", "127.0.0.1"))
     parser.add_argument("--pg-port", default=os.environ.get("CHAOS_PG_PORT", "5432"))
@@ -83,18 +91,28 @@ def main(argv: list[str] | None = None) -> int:
 
     pg = Postgres(args.db_name, args.pg_host, args.pg_port, args.pg_user, os.environ.get("CHAOS_PG_PASSWORD", ""))
     env = {
-        "CHAOS_BACKEND": args.backend, "CHAOS_PG_NAME": args.db_name, "CHAOS_PG_HOST": args.pg_host,
-        "CHAOS_PG_PORT": str(args.pg_port), "CHAOS_PG_USER": args.pg_user, "CHAOS_LEASE_TIMEOUT": str(args.lease),
-        "CHAOS_PREFIX": f"chaos{os.getpid()}", "DJANGO_SETTINGS_MODULE": "bench.chaos.settings",
+        "CHAOS_BACKEND": args.backend,
+        "CHAOS_PG_NAME": args.db_name,
+        "CHAOS_PG_HOST": args.pg_host,
+        "CHAOS_PG_PORT": str(args.pg_port),
+        "CHAOS_PG_USER": args.pg_user,
+        "CHAOS_LEASE_TIMEOUT": str(args.lease),
+        "CHAOS_PREFIX": f"chaos{os.getpid()}",
+        "DJANGO_SETTINGS_MODULE": "bench.chaos.settings",
         "PYTHONUNBUFFERED": "1",
     }
     server = None
     report: dict = {
-        "backend": args.backend, "short": args.short, "seed": seed, "command": " ".join(["python", "bench/chaos.py",
-                                                                                          *(argv or sys.argv[1:])]),
+        "backend": args.backend,
+        "short": args.short,
+        "seed": seed,
+        "command": " ".join(["python", "bench/chaos.py", *(argv or sys.argv[1:])]),
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_before": os.getloadavg()},
-        "workdir": str(workdir), "scenarios": {}, "scenario_seconds": {}, "errors": {},
+        "workdir": str(workdir),
+        "scenarios": {},
+        "scenario_seconds": {},
+        "errors": {},
     }
     code = 0
     try:
@@ -132,10 +150,19 @@ def main(argv: list[str] | None = None) -> int:
         report["django"] = django.get_version()
         report["django_jobs_commit"] = _version(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
         ctx = Context(
-            kind=args.backend, short=args.short, workdir=workdir, env=worker_env,
-            probe=Probe(args.backend, server), server=server if server is not None else pg, lease=args.lease,
-            seed=seed, jobs=args.jobs, seconds=args.seconds, job_ms=args.job_ms,
-            restart_database=not (args.short or args.no_db_restart), timeout=args.timeout,
+            kind=args.backend,
+            short=args.short,
+            workdir=workdir,
+            env=worker_env,
+            probe=Probe(args.backend, server),
+            server=server if server is not None else pg,
+            lease=args.lease,
+            seed=seed,
+            jobs=args.jobs,
+            seconds=args.seconds,
+            job_ms=args.job_ms,
+            restart_database=not (args.short or args.no_db_restart),
+            timeout=args.timeout,
             rng=random.Random(seed),
         )
         for name in args.scenarios:
@@ -159,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             from django.db import connections
 
             connections.close_all()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001,S110 - closing on the way out; nothing to do about it
             pass
         if server is not None:
             server.kill()
@@ -178,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _version(argv: list[str]) -> str | None:
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout.strip() or None
+        return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -189,4 +189,6 @@ def done_count() -> int:
 
 
 def pg_connections() -> int:
-    return sql("SELECT count(*) FROM pg_stat_activity WHERE datname = %s", [settings.DATABASES["default"]["NAME"]])[0][0]
+    return sql("SELECT count(*) FROM pg_stat_activity WHERE datname = %s", [settings.DATABASES["default"]["NAME"]])[0][
+        0
+    ]

@@ -25,6 +25,7 @@ from django_jobs import Jobs
 from django_jobs.envelope import Envelope, new_id
 from django_jobs.models import Job
 
+from .attribution import attribute
 from .probe import QUEUES, Probe, done_count, effects_by_job, pg_connections, retrying, runs_by_job, sql
 from .workers import Fleet, Incarnation, group_pids, rss_kb
 
@@ -57,8 +58,15 @@ class Context:
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def build(action: str = "ok", ms: float = 5, *, max_retries: int = 0, timeout: float | None = None,
-          queue: str = "default", **extra: Any) -> Envelope:
+def build(
+    action: str = "ok",
+    ms: float = 5,
+    *,
+    max_retries: int = 0,
+    timeout: float | None = None,
+    queue: str = "default",
+    **extra: Any,
+) -> Envelope:
     builder = Jobs.define("chaos", {"action": action, "ms": ms, **extra}).max_retries(max_retries).queue(queue)
     if timeout is not None:
         builder = builder.timeout(timeout)
@@ -68,7 +76,7 @@ def build(action: str = "ok", ms: float = 5, *, max_retries: int = 0, timeout: f
 def enqueue(ctx: Context, envelopes: list[Envelope]) -> None:
     backend = ctx.probe.backend
     for start in range(0, len(envelopes), 1000):
-        chunk = envelopes[start:start + 1000]
+        chunk = envelopes[start : start + 1000]
         retrying(lambda chunk=chunk: backend.enqueue_many(chunk))
 
 
@@ -81,12 +89,19 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def spread(values: list[float]) -> dict[str, Any]:
-    return {"n": len(values), "p50": percentile(values, 50), "p99": percentile(values, 99),
-            "max": round(max(values), 3) if values else None}
+    return {
+        "n": len(values),
+        "p50": percentile(values, 50),
+        "p99": percentile(values, 99),
+        "max": round(max(values), 3) if values else None,
+    }
 
 
-def drain_rate(ids: list[str], effects: dict[str, list[tuple[int, int, float, float]]],
-               runs: dict[str, list[tuple[int, int, float, str]]]) -> float | None:
+def drain_rate(
+    ids: list[str],
+    effects: dict[str, list[tuple[int, int, float, float]]],
+    runs: dict[str, list[tuple[int, int, float, str]]],
+) -> float | None:
     """Jobs per second from the rows: N / (last job's first side effect - first run's start)."""
     firsts = [effects[j][0][3] for j in ids if effects.get(j)]
     starts = [runs[j][0][2] for j in ids if runs.get(j)]
@@ -159,10 +174,39 @@ class Event:
     t1: float
     pids: list[int]
     slot: int | None = None
+    mode: str = ""
 
     def as_dict(self, origin: float) -> dict[str, Any]:
-        return {"kind": self.kind, "at": round(self.t0 - origin, 3), "until": round(self.t1 - origin, 3),
-                "slot": self.slot, "pids": self.pids}
+        return {
+            "kind": self.kind,
+            "at": round(self.t0 - origin, 3),
+            "until": round(self.t1 - origin, 3),
+            "slot": self.slot,
+            "pids": self.pids,
+            **({"mode": self.mode} if self.mode else {}),
+        }
+
+
+def _freeze_in_run(fleet: Fleet, inc: Incarnation, timeout: float) -> bool:
+    """Leave the worker frozen (SIGSTOP) at a moment it is inside a run (a start marker and no
+    side effect yet), so the SIGKILL that follows loses a job in hand for sure. Jobs of a few
+    ms end faster than the driver can look, hence freeze first, look, and thaw if it is not."""
+    children = inc.children()
+    if not children:
+        return False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        os.killpg(inc.pid, signal.SIGSTOP)
+        rows = sql(
+            "SELECT 1 FROM chaos_run r WHERE r.pid = ANY(%s) AND r.started_at > %s AND NOT EXISTS ("
+            "SELECT 1 FROM chaos_effect e WHERE e.job_id = r.job_id AND e.attempt = r.attempt AND e.pid = r.pid)",
+            [children, time.time() - 1.0],
+        )
+        if rows:
+            return True
+        os.killpg(inc.pid, signal.SIGCONT)
+        time.sleep(0.003)
+    return False
 
 
 def crash(ctx: Context) -> dict[str, Any]:
@@ -173,11 +217,18 @@ def crash(ctx: Context) -> dict[str, Any]:
     clean = _drain(ctx, n, ms, chaos=False)
     log(f"crash: clean run {clean['throughput_jobs_per_s']} jobs/s; chaos run of {n} jobs")
     chaotic = _drain(ctx, n, ms, chaos=True, restart=restart)
-    result = {"jobs": n, "job_ms": ms, "lease_timeout": ctx.lease, "broker_restarts_enabled": restart,
-              "clean": clean, "chaos": chaotic}
+    result = {
+        "jobs": n,
+        "job_ms": ms,
+        "lease_timeout": ctx.lease,
+        "broker_restarts_enabled": restart,
+        "clean": clean,
+        "chaos": chaotic,
+    }
     if clean["throughput_jobs_per_s"] and chaotic["throughput_jobs_per_s"]:
         result["throughput_ratio_chaos_vs_clean"] = round(
-            chaotic["throughput_jobs_per_s"] / clean["throughput_jobs_per_s"], 3)
+            chaotic["throughput_jobs_per_s"] / clean["throughput_jobs_per_s"], 3
+        )
     return result
 
 
@@ -191,10 +242,9 @@ def _drain(ctx: Context, n: int, ms: float, *, chaos: bool, restart: bool = Fals
     fleet = ctx.fleet("crash-chaos" if chaos else "crash-clean")
     events: list[Event] = []
     stopped: dict[int, tuple[Incarnation, Event, float]] = {}  # slot -> (incarnation, event, cont due)
-    interval = 1.5 if ctx.short else 3.0
+    interval = 2.0 if ctx.short else 2.5
     stop_for = 2 * ctx.lease  # past the lease: it expires and is reaped while the worker is frozen
     milestones = [0.3, 0.65] if chaos and restart else []
-    cycle = ["kill", "stop"]
     deadline = time.monotonic() + ctx.timeout
     try:
         fleet.start_all()
@@ -208,8 +258,7 @@ def _drain(ctx: Context, n: int, ms: float, *, chaos: bool, restart: bool = Fals
             now = time.time()
             for slot, (inc, event, due) in list(stopped.items()):
                 if now >= due:
-                    fleet.signal_group(inc, signal.SIGCONT)
-                    event.t1 = time.time()
+                    _pids, event.t1 = fleet.signal_group(inc, signal.SIGCONT)
                     del stopped[slot]
             for inc in fleet.poll_exits():
                 if not inc.killed_by_driver:
@@ -229,21 +278,27 @@ def _drain(ctx: Context, n: int, ms: float, *, chaos: bool, restart: bool = Fals
                 ctx.probe.backend.close()
                 continue
             if chaos and now >= next_event and backlog > 0:
-                kind = cycle[len([e for e in events if e.kind != "restart"]) % 2]
+                # Every tick: SIGKILL one worker (restarted at once, as a supervisor would), and
+                # SIGSTOP another one past its lease unless one is still frozen.
                 candidates = [inc for inc in fleet.live() if inc.slot not in stopped and inc.children()]
                 if candidates:
                     target = ctx.rng.choice(candidates)
-                    if kind == "kill":
-                        t = time.time()
-                        pids = fleet.kill(target)
-                        events.append(Event("kill", t, t, pids, target.slot))
-                        fleet.start(target.slot, wait=False)  # the driver's supervisor loop
-                    else:
-                        t = time.time()
-                        pids = fleet.signal_group(target, signal.SIGSTOP)
-                        event = Event("stop", t, t, pids, target.slot)
-                        events.append(event)
-                        stopped[target.slot] = (target, event, t + stop_for)
+                    # Every other kill waits (up to 1 s) for the target to be inside a run, so
+                    # a job in hand is lost for sure; the others land wherever the worker is
+                    # (often claiming or settling, with jobs of a few ms).
+                    mid_run = sum(1 for e in events if e.kind == "kill") % 2 == 0
+                    if mid_run:
+                        _freeze_in_run(fleet, target, 1.0)
+                    pids, t = fleet.kill(target)
+                    events.append(Event("kill", t, t, pids, target.slot, "mid-run" if mid_run else "blind"))
+                    fleet.start(target.slot, wait=False)  # the driver's supervisor loop
+                    candidates.remove(target)
+                if candidates and not stopped:
+                    target = ctx.rng.choice(candidates)
+                    pids, t = fleet.signal_group(target, signal.SIGSTOP)
+                    event = Event("stop", t, t, pids, target.slot)
+                    events.append(event)
+                    stopped[target.slot] = (target, event, t + stop_for)
                 next_event = now + interval
             if backlog == 0 and not stopped:
                 if done >= n:
@@ -260,8 +315,7 @@ def _drain(ctx: Context, n: int, ms: float, *, chaos: bool, restart: bool = Fals
         else:
             log("crash: TIMEOUT waiting for the backlog to drain")
         for inc, event, _ in stopped.values():
-            fleet.signal_group(inc, signal.SIGCONT)
-            event.t1 = time.time()
+            _pids, event.t1 = fleet.signal_group(inc, signal.SIGCONT)
         drained_at = time.time()
         exit_codes = fleet.stop_all()
     finally:
@@ -269,8 +323,15 @@ def _drain(ctx: Context, n: int, ms: float, *, chaos: bool, restart: bool = Fals
     return _analyse_crash(ctx, fleet, ids, events, origin, drained_at, exit_codes)
 
 
-def _analyse_crash(ctx: Context, fleet: Fleet, ids: list[str], events: list[Event], origin: float,
-                   drained_at: float, exit_codes: dict[int, int | None]) -> dict[str, Any]:
+def _analyse_crash(
+    ctx: Context,
+    fleet: Fleet,
+    ids: list[str],
+    events: list[Event],
+    origin: float,
+    drained_at: float,
+    exit_codes: dict[int, int | None],
+) -> dict[str, Any]:
     effects = effects_by_job()
     runs = runs_by_job()
     states = ctx.probe.final_states(ids)
@@ -300,39 +361,35 @@ def _analyse_crash(ctx: Context, fleet: Fleet, ids: list[str], events: list[Even
                 latency[event.kind].append(min(later) - event.t0)
 
     # Duplicates: jobs with more than one side effect, each matched to the event that explains
-    # it: a run of that job by a worker the event hit, overlapping the event's window.
+    # it (see attribute()). Relative times, as stored in the JSON.
+    event_log = [e.as_dict(origin) for e in events]
     duplicates = []
     by_cause: Counter[str] = Counter()
     for job_id in ids:
         job_effects = effects.get(job_id, [])
         if len(job_effects) < 2:
             continue
-        cause = None
-        for event in events:
-            for _attempt, pid, started, done in job_effects:
-                if event.kind == "kill":
-                    hit = pid in event.pids and event.t0 - 2.0 <= done <= event.t0 + 0.05
-                elif event.kind == "stop":
-                    hit = pid in event.pids and started <= event.t1 and done >= event.t0 - 2.0
-                else:  # restart: any worker; a settle retries for ~4 s after an error
-                    hit = started <= event.t1 + 1.0 and done >= event.t0 - 5.0
-                if hit:
-                    cause = event.kind
-                    break
-            if cause:
-                break
-        by_cause[cause or "unattributed"] += 1
-        duplicates.append({
-            "job_id": job_id, "cause": cause or "unattributed",
-            "effects": [{"attempt": a, "pid": p, "started": round(s - origin, 3), "done": round(d - origin, 3)}
-                        for a, p, s, d in job_effects],
-        })
+        runs_rel = [
+            {"attempt": a, "pid": p, "started": round(s - origin, 3), "done": round(d - origin, 3)}
+            for a, p, s, d in job_effects
+        ]
+        cause = attribute(runs_rel, event_log)
+        by_cause[cause] += 1
+        duplicates.append({"job_id": job_id, "cause": cause, "effects": runs_rel})
     extra_effects = sum(len(effects.get(j, [])) - 1 for j in ids if len(effects.get(j, [])) > 1)
     counts = worker_log_counts(fleet)
     result = {
         "lost": len(lost),
-        "lost_ids": [{"id": j, "state": states.get(j), "effects": len(effects.get(j, [])),
-                      "runs": len(runs.get(j, [])), "failed_row": failed_rows.get(j)} for j in lost[:20]],
+        "lost_ids": [
+            {
+                "id": j,
+                "state": states.get(j),
+                "effects": len(effects.get(j, [])),
+                "runs": len(runs.get(j, [])),
+                "failed_row": failed_rows.get(j),
+            }
+            for j in lost[:20]
+        ],
         "completed": sum(1 for j in ids if states.get(j) == "completed" and effects.get(j)),
         "duplicate_jobs": len(duplicates),
         "duplicate_effects": extra_effects,
@@ -343,8 +400,9 @@ def _analyse_crash(ctx: Context, fleet: Fleet, ids: list[str], events: list[Even
         "recovery_latency_s": {kind: spread(values) for kind, values in latency.items()},
         "throughput_jobs_per_s": drain_rate(ids, effects, runs),
         "wall_s": round(drained_at - origin, 2),
+        "origin_epoch": origin,
         "events": Counter(e.kind for e in events),
-        "event_log": [e.as_dict(origin) for e in events],
+        "event_log": event_log,
         "exit_codes_on_sigterm": exit_codes,
         "backlog_after": ctx.probe.backlog(),
         "leases_left": ctx.probe.leased(),
@@ -397,34 +455,57 @@ def poison(ctx: Context) -> dict[str, Any]:
         jobs = [j for j in ids if kinds[j] == action]
         run_counts = Counter(len(runs.get(j, [])) for j in jobs)
         attempts = Counter(failed[j][0] if j in failed else None for j in jobs)
-        ok = [j for j in jobs if len(runs.get(j, [])) == max_retries + 1 and states.get(j) == "failed"
-              and j in failed and failed[j][0] == max_retries + 1]
+        ok = [
+            j
+            for j in jobs
+            if len(runs.get(j, [])) == max_retries + 1
+            and states.get(j) == "failed"
+            and j in failed
+            and failed[j][0] == max_retries + 1
+        ]
         for j in jobs:
             if j not in ok:
-                violations.append({"id": j, "action": action, "runs": len(runs.get(j, [])), "state": states.get(j),
-                                   "failed_row": failed.get(j)})
+                violations.append(
+                    {
+                        "id": j,
+                        "action": action,
+                        "runs": len(runs.get(j, [])),
+                        "state": states.get(j),
+                        "failed_row": failed.get(j),
+                    }
+                )
         per_kind[action] = {
-            "jobs": len(jobs), "ended_failed_after_exactly_max_retries_plus_1_runs": len(ok),
-            "runs_per_job": dict(run_counts), "recorded_attempts": {str(k): v for k, v in attempts.items()},
+            "jobs": len(jobs),
+            "ended_failed_after_exactly_max_retries_plus_1_runs": len(ok),
+            "runs_per_job": dict(run_counts),
+            "recorded_attempts": {str(k): v for k, v in attempts.items()},
             "last_errors": dict(Counter(failed[j][1].split(":")[0] for j in jobs if j in failed)),
         }
     healthy = [j for j in ids if kinds[j] == "ok"]
     healthy_failed = [j for j in healthy if states.get(j) != "completed" or not effects.get(j)]
     expected_restarts = sum(max_retries + 1 for j in ids if kinds[j] in ("exit", "hang_masked"))
     return {
-        "jobs": n, "poison_jobs": n - len(healthy), "max_retries": max_retries, "poison_timeout_s": 1,
-        "drained": drained, "wall_s": round(wall, 2),
+        "jobs": n,
+        "poison_jobs": n - len(healthy),
+        "max_retries": max_retries,
+        "poison_timeout_s": 1,
+        "drained": drained,
+        "wall_s": round(wall, 2),
         "poison": per_kind,
         "poison_ok": sum(v["ended_failed_after_exactly_max_retries_plus_1_runs"] for v in per_kind.values()),
         "poison_violations": violations[:20],
-        "healthy_jobs": len(healthy), "healthy_failed": len(healthy_failed),
-        "healthy_failed_ids": [{"id": j, "state": states.get(j), "failed_row": failed.get(j)} for j in healthy_failed[:10]],
+        "healthy_jobs": len(healthy),
+        "healthy_failed": len(healthy_failed),
+        "healthy_failed_ids": [
+            {"id": j, "state": states.get(j), "failed_row": failed.get(j)} for j in healthy_failed[:10]
+        ],
         "healthy_duplicates": sum(1 for j in healthy if len(effects.get(j, [])) > 1),
         "supervisor_restarts": len(fleet.supervisor_restarts()),
         "supervisor_restarts_expected": expected_restarts,
         "unexpected_exits": fleet.unexpected_exits(),
         "exit_codes_on_sigterm": exit_codes,
-        "backlog_after": ctx.probe.backlog(), "leases_left": ctx.probe.leased(),
+        "backlog_after": ctx.probe.backlog(),
+        "leases_left": ctx.probe.leased(),
         "worker_log": worker_log_counts(fleet),
     }
 
@@ -485,18 +566,25 @@ def tamper(ctx: Context) -> dict[str, Any]:
             rejected[reason] += 1
     good_completed = sum(1 for j in ids if effects.get(j) and states.get(j) == "completed")
     return {
-        "good": n_good, "bad": n_bad, "bad_kinds": dict(Counter(k for k, _q, _b in bad)),
-        "write_s": round(write_s, 2), "drained": drained, "wall_s": round(wall, 2),
+        "good": n_good,
+        "bad": n_bad,
+        "bad_kinds": dict(Counter(k for k, _q, _b in bad)),
+        "write_s": round(write_s, 2),
+        "drained": drained,
+        "wall_s": round(wall, 2),
         "throughput_messages_per_s": round((n_good + n_bad) / wall, 1) if wall else None,
         "good_completed": good_completed,
         "good_lost": n_good - good_completed,
         "good_duplicates": sum(1 for j in ids if len(effects.get(j, [])) > 1),
-        "bad_executed": bad_runs, "bad_side_effects": bad_effects,
-        "rejected_by_reason": dict(rejected), "rejected_total": sum(rejected.values()),
+        "bad_executed": bad_runs,
+        "bad_side_effects": bad_effects,
+        "rejected_by_reason": dict(rejected),
+        "rejected_total": sum(rejected.values()),
         "bad_kept_for_audit": ctx.probe.kept_failed(),
         "good_throughput_jobs_per_s": drain_rate(ids, effects, runs),
         "exit_codes_on_sigterm": exit_codes,
-        "backlog_after": ctx.probe.backlog(), "leases_left": ctx.probe.leased(),
+        "backlog_after": ctx.probe.backlog(),
+        "leases_left": ctx.probe.leased(),
         "worker_log": worker_log_counts(fleet),
         **worker_health(fleet),
     }
@@ -521,13 +609,23 @@ def _write_rows(ctx: Context, good: list[Envelope], bad: list[tuple[str, str, An
         rows.append(_row(env, env.queue, now, 2 * i))
         if kind == "garbage":
             rng = ctx.rng
-            rows.append(Job(
-                id=new_id(), queue=queue, handler=rng.choice(["chaos", "os.system", "", "x" * 200]),
-                payload=rng.choice([{"action": "ok", "bad": True}, [1, 2], "junk", 42]),
-                options=rng.choice([{}, [], "x", {"backoff": "nope"}]),
-                signature=rng.choice(["", "00" * 32, body.hex()[:128]]), name="", max_retries=rng.randrange(3),
-                priority=0, available_at=now + _us(2 * i + 1), created_at=now, updated_at=now, backend="chaos",
-            ))
+            rows.append(
+                Job(
+                    id=new_id(),
+                    queue=queue,
+                    handler=rng.choice(["chaos", "os.system", "", "x" * 200]),
+                    payload=rng.choice([{"action": "ok", "bad": True}, [1, 2], "junk", 42]),
+                    options=rng.choice([{}, [], "x", {"backoff": "nope"}]),
+                    signature=rng.choice(["", "00" * 32, body.hex()[:128]]),
+                    name="",
+                    max_retries=rng.randrange(3),
+                    priority=0,
+                    available_at=now + _us(2 * i + 1),
+                    created_at=now,
+                    updated_at=now,
+                    backend="chaos",
+                )
+            )
         else:
             rows.append(_row(body, queue, now, 2 * i + 1))
     retrying(lambda: Job.objects.bulk_create(rows, batch_size=1000))
@@ -541,10 +639,22 @@ def _us(n: int) -> Any:
 
 def _row(env: Envelope, queue: str, now: Any, order: int) -> Job:
     return Job(
-        id=env.id, queue=queue, handler=env.handler, payload=env.payload, options=env.options,
-        signature=env.signature, name=env.name, attempts=env.attempts, max_retries=env.max_retries,
-        priority=env.priority, available_at=now + _us(order), timeout=env.timeout,
-        idempotency_key=env.idempotency_key, created_at=now, updated_at=now, backend="chaos",
+        id=env.id,
+        queue=queue,
+        handler=env.handler,
+        payload=env.payload,
+        options=env.options,
+        signature=env.signature,
+        name=env.name,
+        attempts=env.attempts,
+        max_retries=env.max_retries,
+        priority=env.priority,
+        available_at=now + _us(order),
+        timeout=env.timeout,
+        idempotency_key=env.idempotency_key,
+        created_at=now,
+        updated_at=now,
+        backend="chaos",
     )
 
 
@@ -567,9 +677,9 @@ def _write_redis(ctx: Context, good: list[Envelope], bad: list[tuple[str, str, A
     push = client.register_script(RAW_PUSH)
     keys = {q: backend.keys(q) for q in QUEUES}
     for start in range(0, len(good), 50):
-        backend.enqueue_many(good[start:start + 50])
+        backend.enqueue_many(good[start : start + 50])
         pipe = client.pipeline(transaction=False)
-        for kind, queue, body in bad[start:start + 50]:
+        for kind, queue, body in bad[start : start + 50]:
             k = keys[queue]
             raw = body if isinstance(body, bytes) else body.to_bytes()
             job_id = new_id() if kind == "garbage" else body.id
@@ -607,7 +717,8 @@ def shutdown(ctx: Context) -> dict[str, Any]:
         variant = ("supervisor", "group")[r % 2]
         results.append(_shutdown_round(ctx, r, variant, job_ms))
     return {
-        "rounds": rounds, "job_ms": job_ms,
+        "rounds": rounds,
+        "job_ms": job_ms,
         "exit_codes": [c for res in results for c in res["exit_codes"]],
         "all_exit_0": all(c == 0 for res in results for c in res["exit_codes"]),
         "leases_left_after_exit": sum(res["leases_left"] for res in results),
@@ -632,10 +743,13 @@ def _shutdown_round(ctx: Context, number: int, variant: str, job_ms: int) -> dic
         children = {pid for inc in fleet.live() for pid in inc.children()}
 
         def in_flight() -> list[tuple[str, int, float]]:
-            return [tuple(row) for row in sql(
-                "SELECT r.job_id, r.pid, r.started_at FROM chaos_run r WHERE NOT EXISTS ("
-                "SELECT 1 FROM chaos_effect e WHERE e.job_id = r.job_id AND e.attempt = r.attempt AND e.pid = r.pid)"
-            )]
+            return [
+                tuple(row)
+                for row in sql(
+                    "SELECT r.job_id, r.pid, r.started_at FROM chaos_run r WHERE NOT EXISTS ("
+                    "SELECT 1 FROM chaos_effect e WHERE e.job_id = r.job_id AND e.attempt = r.attempt AND e.pid = r.pid)"
+                )
+            ]
 
         deadline = time.monotonic() + 60
         while {pid for _j, pid, _s in in_flight()} < children and time.monotonic() < deadline:
@@ -678,9 +792,15 @@ def _shutdown_round(ctx: Context, number: int, variant: str, job_ms: int) -> dic
             released += 1  # no side effect and (leases_left == 0) nothing held: back in the queue
     late_runs = [s - t_term for job_runs in runs.values() for _a, _p, s, _x in job_runs if s > t_term]
     return {
-        "variant": variant, "in_flight": len(flying), "finished": finished, "released": released,
-        "left_leased": left + leases_left, "leases_left": leases_left, "exit_codes": codes,
-        "exit_latency_s": latencies, "runs_started_after_sigterm": len(late_runs),
+        "variant": variant,
+        "in_flight": len(flying),
+        "finished": finished,
+        "released": released,
+        "left_leased": left + leases_left,
+        "leases_left": leases_left,
+        "exit_codes": codes,
+        "exit_latency_s": latencies,
+        "runs_started_after_sigterm": len(late_runs),
         "worker_crashes": len(fleet.supervisor_restarts()),
     }
 
@@ -746,20 +866,35 @@ def soak(ctx: Context) -> dict[str, Any]:
     for pid in sorted({p for s in samples for p in s["rss_kb"]}):
         series = [s["rss_kb"][pid] for s in samples if pid in s["rss_kb"] and s["t"] >= window - 0.5]
         if series:
-            rss[str(pid)] = {"first_kb": series[0], "last_kb": series[-1], "max_kb": max(series),
-                             "growth_kb": series[-1] - series[0], "samples": len(series)}
+            rss[str(pid)] = {
+                "first_kb": series[0],
+                "last_kb": series[-1],
+                "max_kb": max(series),
+                "growth_kb": series[-1] - series[0],
+                "samples": len(series),
+                "series_kb": series,
+            }
     conns = [s["pg_connections"] for s in samples]
     lost = [j for j in ids if not effects.get(j)]
     return {
-        "seconds": seconds, "job_ms": ms, "max_rate_jobs_per_s": max_rate, "target_jobs_per_s": round(target, 1),
-        "produced": produced, "completed": len(ids) - len(lost), "lost": len(lost),
+        "seconds": seconds,
+        "job_ms": ms,
+        "max_rate_jobs_per_s": max_rate,
+        "target_jobs_per_s": round(target, 1),
+        "produced": produced,
+        "completed": len(ids) - len(lost),
+        "lost": len(lost),
         "duplicates": sum(1 for j in ids if len(effects.get(j, [])) > 1),
-        "window_s": window, "throughput_per_window": [round(w, 1) for w in windows],
-        "throughput_mean": round(mean, 1), "throughput_cv": round(cv, 4) if cv is not None else None,
+        "window_s": window,
+        "throughput_per_window": [round(w, 1) for w in windows],
+        "throughput_mean": round(mean, 1),
+        "throughput_cv": round(cv, 4) if cv is not None else None,
         "worker_rss": rss,
         "pg_connections": {"min": min(conns), "max": max(conns), "samples": conns} if conns else None,
         "backlog_samples": [s["backlog"] for s in samples],
-        "backlog_at_end_of_production": backlog_at_end, "drained": drained, "final_backlog": final_backlog,
+        "backlog_at_end_of_production": backlog_at_end,
+        "drained": drained,
+        "final_backlog": final_backlog,
         "exit_codes_on_sigterm": exit_codes,
         "worker_log": worker_log_counts(fleet),
         **worker_health(fleet),

@@ -47,8 +47,15 @@ class Postgres:
     def _admin(self) -> Any:
         import psycopg
 
-        return psycopg.connect(host=self.host, port=self.port, user=self.user, password=self.password or None,
-                               dbname="postgres", autocommit=True, connect_timeout=5)
+        return psycopg.connect(
+            host=self.host,
+            port=self.port,
+            user=self.user,
+            password=self.password or None,
+            dbname="postgres",
+            autocommit=True,
+            connect_timeout=5,
+        )
 
     def create(self) -> None:
         with self._admin() as conn:
@@ -69,7 +76,9 @@ class Postgres:
         down = time.time()
         subprocess.run(
             ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", "restart", "-m", "immediate"],
-            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         wait_for(self.ready, 120, "pg_isready after the restart", interval=0.1)
         return down, time.time()
@@ -98,9 +107,27 @@ class PrivateRedis:
         self.starts += 1
         log = open(self.directory / f"redis-{self.starts}.log", "wb")  # noqa: SIM115 (the child keeps it)
         self.popen = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-             "--appendfsync", "everysec", "--dir", str(self.directory), "--daemonize", "no"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--dir",
+                str(self.directory),
+                "--daemonize",
+                "no",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         log.close()
         wait_for(self._serving, 60, f"the private redis-server on port {self.port}")
@@ -153,7 +180,10 @@ class PrivateBeanstalkd:
         log = open(self.directory / f"beanstalkd-{self.starts}.log", "wb")  # noqa: SIM115
         self.popen = subprocess.Popen(
             [binary, "-l", "127.0.0.1", "-p", str(self.port), "-b", str(self.binlog)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         log.close()
         wait_for(self._serving, 60, f"the private beanstalkd on port {self.port}")

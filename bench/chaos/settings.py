@@ -44,8 +44,10 @@ PREFIX = os.environ.get("CHAOS_PREFIX", "chaos")
 if BACKEND == "postgres":
     ENGINE = {"ENGINE": "database", "OPTIONS": {"DATABASE": "default"}}
 elif BACKEND == "redis":
-    ENGINE = {"ENGINE": "redis", "OPTIONS": {"URL": os.environ.get("CHAOS_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                                             "PREFIX": PREFIX}}
+    ENGINE = {
+        "ENGINE": "redis",
+        "OPTIONS": {"URL": os.environ.get("CHAOS_REDIS_URL", "redis://127.0.0.1:6379/0"), "PREFIX": PREFIX},
+    }
 elif BACKEND == "beanstalk":
     _host, _, _port = os.environ.get("CHAOS_BEANSTALK", "127.0.0.1:11300").partition(":")
     ENGINE = {"ENGINE": "beanstalk", "OPTIONS": {"HOST": _host, "PORT": int(_port), "PREFIX": PREFIX}}

@@ -108,10 +108,24 @@ class Fleet:
         err = self.directory / f"w{slot}-{number}.err"
         with open(out, "wb") as fo, open(err, "wb") as fe:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "django", "jobs_work", *self.queues, "--backend", "chaos",
-                 "--max-time", str(self.max_time)],
-                cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
-                start_new_session=True, preexec_fn=_die_with_driver,
+                [
+                    sys.executable,
+                    "-m",
+                    "django",
+                    "jobs_work",
+                    *self.queues,
+                    "--backend",
+                    "chaos",
+                    "--max-time",
+                    str(self.max_time),
+                ],
+                cwd=REPO,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=fo,
+                stderr=fe,
+                start_new_session=True,
+                preexec_fn=_die_with_driver,  # noqa: PLW1509 - the driver starts no threads
             )
         inc = Incarnation(slot, number, popen, out, err, time.time())
         self.slots[slot] = inc
@@ -135,21 +149,23 @@ class Fleet:
     def live(self) -> list[Incarnation]:
         return [inc for inc in self.slots if inc is not None and inc.popen.poll() is None]
 
-    def signal_group(self, inc: Incarnation, signum: int) -> list[int]:
-        """Signal the worker's whole process group; returns the pids it held."""
+    def signal_group(self, inc: Incarnation, signum: int) -> tuple[list[int], float]:
+        """Signal the worker's whole process group; returns the pids it held and the time of the
+        signal (taken after the /proc scan, which costs milliseconds)."""
         pids = group_pids(inc.pid)
+        at = time.time()
         try:
             os.killpg(inc.pid, signum)
         except ProcessLookupError:
             pass
-        return pids
+        return pids, at
 
-    def kill(self, inc: Incarnation) -> list[int]:
+    def kill(self, inc: Incarnation) -> tuple[list[int], float]:
         inc.killed_by_driver = True
-        pids = self.signal_group(inc, signal.SIGKILL)
+        pids, at = self.signal_group(inc, signal.SIGKILL)
         inc.exit_code = inc.popen.wait(10)
         inc.ended = time.time()
-        return pids
+        return pids, at
 
     def poll_exits(self) -> list[Incarnation]:
         """Workers that exited since the last call (recorded with their exit code)."""
@@ -163,6 +179,14 @@ class Fleet:
     def stop_all(self, timeout: float = 60) -> dict[int, int | None]:
         """SIGCONT (in case), SIGTERM each live worker, wait; SIGKILL what does not exit."""
         codes: dict[int, int | None] = {}
+        # A worker restarted a moment ago may still be importing Django: before jobs_work installs
+        # its handlers (it then prints its start line) SIGTERM has its default action and the
+        # process dies with -15. It holds nothing yet, but let it come up so every exit is clean.
+        for inc in self.live():
+            try:
+                self.wait_started(inc.slot, timeout=60)
+            except RuntimeError:
+                pass  # reported through its exit code
         for inc in self.live():
             inc.terminated_by_driver = True
             self.signal_group(inc, signal.SIGCONT)

@@ -1,0 +1,185 @@
+"""Markdown tables from bench/chaos.py JSON reports (for docs/reliability.md).
+
+    python -m bench.chaos.report /tmp/chaos-postgres.json [more.json ...]
+
+One table per backend, one row per figure, one column per report (run) of that backend.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from typing import Any
+
+from bench.chaos.attribution import attribute
+
+
+def _lat(spread: dict[str, Any] | None) -> str:
+    if not spread or not spread.get("n"):
+        return "n/a (0 samples)"
+    return f"{spread['p50']:.2f} / {spread['p99']:.2f} / {spread['max']:.2f} s (n={spread['n']})"
+
+
+def rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    s = report["scenarios"]
+    secs = report.get("scenario_seconds", {})
+    if "crash" in s:
+        c = s["crash"]
+        ch, cl = c["chaos"], c["clean"]
+        if len(ch["duplicates"]) == ch["duplicate_jobs"]:
+            # Re-attributed with the current rule, so reports from earlier versions agree.
+            ch["duplicates_by_cause"] = dict(
+                Counter(attribute(d["effects"], ch["event_log"]) for d in ch["duplicates"])
+            )
+        ev = ch["events"]
+        out += [
+            ("crash: jobs (sleep) / lease", f"{c['jobs']} ({c['job_ms']:g} ms) / {c['lease_timeout']:g} s"),
+            (
+                "crash: SIGKILL / SIGSTOP+CONT / server restarts",
+                f"{ev.get('kill', 0)} / {ev.get('stop', 0)} / {ev.get('restart', 0)}",
+            ),
+            ("crash: **jobs lost**", f"**{ch['lost']}** (clean run: {cl['lost']})"),
+            (
+                "crash: duplicate jobs (extra side effects)",
+                f"{ch['duplicate_jobs']} ({ch['duplicate_effects']}); by cause: "
+                + (", ".join(f"{k} {v}" for k, v in sorted(ch["duplicates_by_cause"].items())) or "none"),
+            ),
+            ("crash: stale acks rejected (`lease-lost`)", str(ch["stale_acks_rejected"])),
+            ("crash: re-claim latency after SIGKILL p50/p99/max", _lat(ch["recovery_latency_s"].get("kill"))),
+            ("crash: re-claim latency after SIGSTOP p50/p99/max", _lat(ch["recovery_latency_s"].get("stop"))),
+            ("crash: re-claim latency after a restart p50/p99/max", _lat(ch["recovery_latency_s"].get("restart"))),
+            (
+                "crash: throughput chaos / clean",
+                (
+                    f"{ch['throughput_jobs_per_s']} / {cl['throughput_jobs_per_s']} jobs/s "
+                    f"(x{c.get('throughput_ratio_chaos_vs_clean')})"
+                ),
+            ),
+            (
+                "crash: worker crashes; exit codes on SIGTERM",
+                f"{ch['worker_crashes']}; {sorted(set(ch['exit_codes_on_sigterm'].values()))}",
+            ),
+        ]
+    if "poison" in s:
+        p = s["poison"]
+        kinds = ", ".join(
+            f"{k} {v['ended_failed_after_exactly_max_retries_plus_1_runs']}/{v['jobs']}" for k, v in p["poison"].items()
+        )
+        out += [
+            (
+                "poison: jobs / poison (max_retries, timeout)",
+                f"{p['jobs']} / {p['poison_jobs']} ({p['max_retries']}, {p['poison_timeout_s']} s)",
+            ),
+            (
+                "poison: **failed after exactly max_retries+1 runs**",
+                f"**{p['poison_ok']}/{p['poison_jobs']}** ({kinds})",
+            ),
+            (
+                "poison: **healthy jobs failed**",
+                (f"**{p['healthy_failed']}** of {p['healthy_jobs']} (duplicates {p['healthy_duplicates']})"),
+            ),
+            (
+                "poison: supervisor restarts (expected)",
+                f"{p['supervisor_restarts']} ({p['supervisor_restarts_expected']})",
+            ),
+        ]
+    if "tamper" in s:
+        t = s["tamper"]
+        out += [
+            (
+                "tamper: good + bad messages",
+                (f"{t['good']} + {t['bad']} ({', '.join(f'{k} {v}' for k, v in t['bad_kinds'].items())})"),
+            ),
+            (
+                "tamper: **bad executed**",
+                f"**{t['bad_executed']}** (rejected {t['rejected_total']}: "
+                + ", ".join(f"{k} {v}" for k, v in sorted(t["rejected_by_reason"].items()))
+                + f"; kept for audit {t['bad_kept_for_audit']})",
+            ),
+            (
+                "tamper: **good completed**",
+                f"**{t['good_completed']}/{t['good']}** (duplicates {t['good_duplicates']})",
+            ),
+            ("tamper: **worker crashes**", f"**{t['worker_crashes']}**"),
+            ("tamper: messages/s (start-up included)", str(t["throughput_messages_per_s"])),
+        ]
+    if "shutdown" in s:
+        d = s["shutdown"]
+        out += [
+            ("shutdown: rounds x 3 workers (SIGTERM to supervisor / to group)", f"{d['rounds']} x 3"),
+            ("shutdown: exit codes", "all 0" if d["all_exit_0"] else str(d["exit_codes"])),
+            ("shutdown: **leases left after exit**", f"**{d['leases_left_after_exit']}**"),
+            (
+                "shutdown: in flight at SIGTERM: finished / released / left leased",
+                (
+                    f"{d['in_flight_at_sigterm']}: {d['in_flight_finished']} / {d['in_flight_released']} / "
+                    f"{d['in_flight_left_leased']}"
+                ),
+            ),
+            ("shutdown: runs started after SIGTERM", str(d["runs_started_after_sigterm"])),
+            (
+                "shutdown: SIGTERM -> exit p50 / max (jobs of 1.5 s)",
+                f"{d['exit_latency_s']['p50']:.2f} / {d['exit_latency_s']['max']:.2f} s",
+            ),
+        ]
+    if "soak" in s:
+        k = s["soak"]
+        growth = [v["growth_kb"] for v in k["worker_rss"].values()]
+        first = [v["first_kb"] for v in k["worker_rss"].values()]
+        conns = k["pg_connections"] or {}
+        out += [
+            (
+                "soak: duration; max rate; target (70 %)",
+                f"{k['seconds']:g} s; {k['max_rate_jobs_per_s']} jobs/s; {k['target_jobs_per_s']} jobs/s",
+            ),
+            ("soak: throughput per 10 s window: mean; CV", f"{k['throughput_mean']} jobs/s; {k['throughput_cv']}"),
+            (
+                "soak: worker RSS first -> growth",
+                f"{min(first) // 1024}-{max(first) // 1024} MiB -> +{min(growth)}..+{max(growth)} KiB"
+                if growth
+                else "n/a",
+            ),
+            ("soak: PostgreSQL connections (min-max)", f"{conns.get('min')}-{conns.get('max')}"),
+            ("soak: produced / lost / duplicates", f"{k['produced']} / {k['lost']} / {k['duplicates']}"),
+            (
+                "soak: **final backlog**",
+                (f"**{k['final_backlog']}** (at end of production: {k['backlog_at_end_of_production']})"),
+            ),
+        ]
+    out.append(("seconds per scenario", ", ".join(f"{k} {v:g}" for k, v in secs.items())))
+    return out
+
+
+def tables(reports: list[dict[str, Any]]) -> str:
+    """One table per backend; one column per report of that backend (e.g. two sizes)."""
+    out = []
+    backends = list(dict.fromkeys(r["backend"] for r in reports))
+    for backend in backends:
+        mine = [r for r in reports if r["backend"] == backend]
+        columns = [dict(rows(r)) for r in mine]
+        names = list(dict.fromkeys(name for r in mine for name, _ in rows(r)))
+        out.append(f"**{backend}**")
+        out.append("")
+        for i, r in enumerate(mine, 1):
+            out.append(
+                f"{i}. `{r['command']}` ({r['started_utc']}, load average {r['machine']['loadavg_before'][0]:.1f}"
+                f" before, {r['machine']['loadavg_after'][0]:.1f} after)"
+                + (f"; errors: {', '.join(r['errors'])}" if r.get("errors") else "")
+            )
+        out.append("")
+        out.append("| figure | " + " | ".join(f"run {i}" for i in range(1, len(mine) + 1)) + " |")
+        out.append("|---|" + "---|" * len(mine))
+        for name in names:
+            out.append(f"| {name} | " + " | ".join(c.get(name, "-") for c in columns) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    loaded = []
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            loaded.append(json.load(f))
+    print(tables(loaded))
