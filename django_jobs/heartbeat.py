@@ -36,7 +36,6 @@ class Heartbeat:
         self._keep_alive: Sequence[Callable[[], None]] = ()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.lost = False
 
     def start(self) -> None:
         if self._thread is None:
@@ -62,7 +61,6 @@ class Heartbeat:
         with self._cond:
             self._lease, self._hard_deadline, self._last_beat = lease, hard_deadline, time.monotonic()
             self._keep_alive = keep_alive
-            self.lost = False
             if hard_deadline is not None:
                 self._cond.notify()
 
@@ -110,6 +108,5 @@ class Heartbeat:
             with self._cond:
                 if self._lease is lease:
                     self._lease = None
-                    self.lost = True
         except Exception:  # a broker blip must not kill the heartbeat; try again next beat
             logger.exception("job %s: heartbeat failed", lease.token)

@@ -59,17 +59,37 @@ def _as_key(value: str | bytes) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
 
-def signing_keys() -> list[bytes]:
+def signing_keys() -> tuple[bytes, ...]:
     """The current key first, then the fallbacks still accepted when verifying."""
-    current = conf.get("SIGNING_KEY")
+    return _keys(
+        conf.get("SIGNING_KEY"),
+        settings.SECRET_KEY,
+        tuple(getattr(settings, "SECRET_KEY_FALLBACKS", ())),
+        tuple(conf.get("SIGNING_KEY_FALLBACKS") or ()),
+    )
+
+
+@lru_cache(maxsize=8)
+def _keys(current: Any, secret: str, secret_fallbacks: tuple[str, ...], fallbacks: tuple[Any, ...]) -> tuple[bytes, ...]:
+    # Read on every sign and verify (the worker's hot path); the inputs are the cache key, so a
+    # settings change (override_settings, rotation) takes effect at once.
     if current:
         keys = [_as_key(current)]
     else:
         # Derived from SECRET_KEY, so Django's own rotation (SECRET_KEY_FALLBACKS) carries over.
-        secrets = [settings.SECRET_KEY, *getattr(settings, "SECRET_KEY_FALLBACKS", ())]
-        keys = [_derive(secret) for secret in secrets]
-    keys.extend(_as_key(k) for k in conf.get("SIGNING_KEY_FALLBACKS") or ())
-    return keys
+        keys = [_derive(s) for s in (secret, *secret_fallbacks)]
+    return (*keys, *(_as_key(k) for k in fallbacks))
+
+
+def verify_delivery(envelope: Envelope, queue: str) -> None:
+    """What a delivery must pass before any field is trusted: its signature (unless
+    ``VERIFY_SIGNATURE`` is off) and the queue it was signed for, so a message replayed onto
+    another queue is refused. Raises :class:`BadSignature` (or :class:`InvalidPayload` for
+    fields that cannot be encoded)."""
+    if conf.get("VERIFY_SIGNATURE"):
+        verify(envelope)
+    if envelope.queue != queue:
+        raise BadSignature(f"job {envelope.id!r} is signed for queue {envelope.queue!r}, delivered on {queue!r}")
 
 
 def _mac(key: bytes, message: bytes) -> str:

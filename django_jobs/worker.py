@@ -124,10 +124,7 @@ class QueueWorker:
             return self._reject(lease, lease.error or InvalidPayload("undecodable message"), "jobs_rejected_payload")
         # Verify before trusting any field, including the queue the message claims.
         try:
-            if conf.get("VERIFY_SIGNATURE"):
-                signing.verify(env)
-            if env.queue != queue:
-                raise BadSignature(f"job {env.id!r} is signed for queue {env.queue!r}, delivered on {queue!r}")
+            signing.verify_delivery(env, queue)
         except BadSignature as exc:
             return self._reject(lease, exc, "jobs_rejected_signature")
         except InvalidPayload as exc:  # fields no JSON encoder accepts (inf, lone surrogates)

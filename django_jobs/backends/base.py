@@ -11,7 +11,7 @@ from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
-from .. import conf, signing
+from .. import signing
 from ..envelope import Envelope
 from ..exceptions import BadSignature, InvalidPayload, LeaseLost
 from ..metrics import get_collector
@@ -202,8 +202,7 @@ def settle_lost_runs(backend: QueueBackend, lease: Lease, lost: int, how: str) -
 
 def _verifies(envelope: Envelope, queue: str) -> bool:
     try:
-        if conf.get("VERIFY_SIGNATURE"):
-            signing.verify(envelope)
+        signing.verify_delivery(envelope, queue)
     except (BadSignature, InvalidPayload):
         return False
-    return envelope.queue == queue
+    return True

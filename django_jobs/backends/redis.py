@@ -189,7 +189,7 @@ class RedisBackend(QueueBackend):
         pipe.hmget(keys[4], [i for i, _ in ids])
         owners, bodies = pipe.execute()
         reaped = 0
-        for (job_id, deadline), owner, body in zip(ids, owners, bodies):
+        for (job_id, deadline), owner, body in zip(ids, owners, bodies, strict=True):
             error = WorkerLost.describe(_from_ms(deadline))
             env, _ = decode_lease_body(body) if body is not None else (None, None)
             delay = None if env is None else after_lost_run(env.attempts, env.max_retries, env.options)
