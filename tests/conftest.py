@@ -157,3 +157,44 @@ def _fresh_metrics():
 
 
 from tests.fake_servicebus import servicebus_fake  # noqa: E402,F401
+
+
+# -- Private servers (tests that restart, crash or disconnect a server) ----------------------------
+
+
+@pytest.fixture(scope="module")
+def private_postgres(tmp_path_factory):
+    """A PostgreSQL server of this module's own (initdb on a free loopback port, see
+    tests/servers.py) with the test database ``test_django_jobs`` created and migrated. Restart,
+    kill or disconnect it freely: the shared server is never touched. ``.env(**extra)`` points
+    worker subprocesses at it; ``.connect()`` opens an autocommit connection to its database."""
+    from tests.servers import PostgresForTests, PrivatePostgres, postgres_bindir
+
+    bindir = postgres_bindir()
+    require_service("PostgreSQL binaries (initdb)", bindir is not None, "set PG_BINDIR or install postgresql")
+    server = PrivatePostgres()
+    try:
+        server.start()
+        wrapped = PostgresForTests(server)
+        server.create_database(wrapped.dbname)
+        wrapped.migrate()
+        yield wrapped
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def private_redis():
+    """A redis-server of this module's own (AOF on, free loopback port, see tests/servers.py).
+    ``.url`` is its URL; ``.restart()`` is a crash and a start that replays the AOF."""
+    import shutil
+
+    from tests.servers import PrivateRedis, RedisForTests
+
+    require_service("redis-server", shutil.which("redis-server") is not None, "redis-server is not on PATH")
+    server = PrivateRedis()
+    try:
+        server.start()
+        yield RedisForTests(server)
+    finally:
+        server.cleanup()

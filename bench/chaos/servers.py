@@ -1,27 +1,41 @@
-"""The servers the chaos battery uses: its own PostgreSQL database, and PRIVATE redis-server /
+"""The servers the chaos battery and the tests use: PRIVATE PostgreSQL, redis-server and
 beanstalkd processes on free loopback ports with their data in a temp dir.
 
-Private servers are started in their own session and killed by pid (only what this process
-started). The shared PostgreSQL server is restarted only by ``restart_postgres`` (the postgres
-crash scenario, never in ``--short``).
+Private servers are started in their own session and killed by pid / process group (only what
+this process started): restarting or killing one never touches the shared servers. ``Postgres``
+(a database on an existing server, created fresh and dropped at the end) is kept for running the
+battery against a server given on the command line; it never restarts that server.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _at_exit(callback: Any) -> None:
+    """Run ``callback`` when THIS process exits (not in a forked child that exits normally)."""
+    owner = os.getpid()
+
+    def run() -> None:
+        if os.getpid() == owner:
+            callback()
+
+    atexit.register(run)
 
 
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
@@ -84,6 +98,280 @@ class Postgres:
         return down, time.time()
 
 
+class PrivatePostgres:
+    """A PostgreSQL server of its own: ``initdb`` into a fresh temp dir, then ``postgres`` on a free
+    loopback port (and a Unix socket in the same temp dir), in its own session.
+
+    Run as root, the server runs as the ``postgres`` OS user (PostgreSQL refuses root); the temp
+    dir is chowned to it. Durability settings are PostgreSQL's defaults (fsync on), so
+    ``restart`` (a crash: SIGKILL of the postmaster and every backend, then a start that replays
+    the WAL) loses nothing a client saw committed.
+
+    ``kill``/``restart``/``stop`` signal only the processes this object started: the postmaster
+    it spawned and that postmaster's process group. The shared server is never touched.
+    """
+
+    def __init__(
+        self,
+        directory: Path | None = None,
+        *,
+        port: int | None = None,
+        os_user: str = "postgres",
+        options: dict[str, str] | None = None,
+    ) -> None:
+        bindir = postgres_bindir()
+        if bindir is None:
+            raise RuntimeError("PostgreSQL's initdb/postgres binaries were not found (set PG_BINDIR)")
+        self.bindir: Path = bindir
+        base = Path(tempfile.mkdtemp(prefix="pgprivate-", dir=directory))
+        self.directory = base
+        self.data = base / "data"
+        self.sockets = base / "sock"
+        self.sockets.mkdir()
+        self.host = "127.0.0.1"
+        self.port = port or free_port()
+        self.user = "postgres"
+        self.url = f"postgresql://{self.user}@{self.host}:{self.port}/postgres"
+        self.options = {"max_connections": "200", **(options or {})}
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self._run_as: dict[str, Any] = {}
+        if os.geteuid() == 0:
+            import pwd
+
+            entry = pwd.getpwnam(os_user)
+            self._run_as = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+            for path in (base, self.sockets):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+        self._initdb()
+        _at_exit(self.cleanup)
+
+    def dsn(self, dbname: str = "postgres") -> str:
+        return f"postgresql://{self.user}@{self.host}:{self.port}/{dbname}"
+
+    def _initdb(self) -> None:
+        proc = subprocess.run(
+            [
+                str(self.bindir / "initdb"),
+                "-D",
+                str(self.data),
+                "-A",
+                "trust",
+                "-U",
+                self.user,
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",  # only initdb's final fsync of the fresh files; the server fsyncs
+            ],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            check=False,
+            **self._run_as,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"initdb failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / f"postgres-{self.starts}.log"
+
+    def start(self, timeout: float = 60) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            return
+        self.starts += 1
+        args = [
+            str(self.bindir / "postgres"),
+            "-D",
+            str(self.data),
+            "-p",
+            str(self.port),
+            "-k",
+            str(self.sockets),
+            "-c",
+            f"listen_addresses={self.host}",
+        ]
+        for key, value in self.options.items():
+            args += ["-c", f"{key}={value}"]
+        log = open(self.log_path, "wb")  # noqa: SIM115 (the child keeps it)
+        self.popen = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: kill() signals exactly that group
+            **self._run_as,
+        )
+        log.close()
+        wait_for(self._serving, timeout, f"the private PostgreSQL on port {self.port}", interval=0.1)
+
+    def _connect(self, dbname: str = "postgres", timeout: int = 2) -> Any:
+        import psycopg
+
+        return psycopg.connect(
+            host=self.host, port=self.port, user=self.user, dbname=dbname, autocommit=True, connect_timeout=timeout
+        )
+
+    def connect(self, dbname: str = "postgres") -> Any:
+        """A psycopg connection (autocommit) to ``dbname`` on this server."""
+        return self._connect(dbname, timeout=5)
+
+    def _serving(self) -> bool:
+        if self.popen is not None and self.popen.poll() is not None:
+            tail = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
+            raise RuntimeError(f"postgres exited ({self.popen.returncode}):\n{tail}")
+        return self.ready()
+
+    def ready(self) -> bool:
+        """True when the server accepts a connection and answers a query (recovery finished)."""
+        try:
+            with self._connect() as conn:
+                conn.execute("SELECT 1")
+            return True
+        except Exception:  # noqa: BLE001 - any failure means "not ready yet"
+            return False
+
+    def _children(self) -> list[int]:
+        """The postmaster's child processes now (backends, checkpointer, walwriter, ...). Each
+        child is its own process group leader (PostgreSQL calls setsid() in every child), so
+        they are found by parent pid, not by group."""
+        if self.popen is None:
+            return []
+        parent = self.popen.pid
+        children: list[int] = []
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except FileNotFoundError:
+            return []
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    children += [int(pid) for pid in f.read().split()]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        return children
+
+    def kill(self) -> None:
+        """A crash: the postmaster and every child it has (backends and auxiliary processes)
+        are SIGKILLed at once (the postmaster is SIGSTOPped first so it forks no new child while
+        they are listed). Returns once they are all gone, so a start can reuse the data dir at
+        once (PostgreSQL refuses to while an old process still holds the shared memory)."""
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        pid = self.popen.pid
+        os.kill(pid, signal.SIGSTOP)
+        children = self._children()
+        for child in children:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.kill(pid, signal.SIGKILL)
+        self.popen.wait(10)
+        # Reparented to init now; a zombie counts as gone (it no longer holds the shared memory).
+        wait_for(lambda: not any(_alive(c) for c in children), 30, "the private PostgreSQL's processes to exit")
+
+    def stop(self, timeout: float = 30) -> None:
+        """A clean (fast) shutdown: SIGINT, which disconnects clients and checkpoints; SIGKILL if
+        it takes longer than ``timeout``."""
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        os.kill(self.popen.pid, signal.SIGINT)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def restart(self, outage: float = 1.0) -> tuple[float, float]:
+        """Crash (``kill``), stay down ``outage`` seconds, start (crash recovery replays the WAL)
+        and wait until it answers. Returns (down, up) as time.time() values."""
+        down = time.time()
+        self.kill()
+        time.sleep(outage)
+        self.start()
+        return down, time.time()
+
+    def terminate_backends(self, dbname: str | None = None) -> int:
+        """``pg_terminate_backend`` of every other client backend (of ``dbname`` if given): the
+        clients see their connection drop while the server stays up. Returns how many."""
+        query = (
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'"
+        )
+        params: tuple[str, ...] = ()
+        if dbname is not None:
+            query += " AND datname = %s"
+            params = (dbname,)
+        with self._connect() as conn:
+            row = conn.execute(query, params).fetchone()
+        return int(row[0]) if row else 0
+
+    def create_database(self, name: str) -> None:
+        with self._connect(timeout=5) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            conn.execute(f'CREATE DATABASE "{name}"')
+
+    def drop_database(self, name: str) -> None:
+        with self._connect(timeout=5) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    def connections(self, dbname: str | None = None) -> int:
+        """Client backends connected now (to ``dbname`` if given), this query's own excluded."""
+        query = (
+            "SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'"
+        )
+        params: tuple[str, ...] = ()
+        if dbname is not None:
+            query += " AND datname = %s"
+            params = (dbname,)
+        with self._connect() as conn:
+            row = conn.execute(query, params).fetchone()
+        return int(row[0]) if row else 0
+
+    def cleanup(self) -> None:
+        """Kill this server (only its own processes) and remove its temp dir. Idempotent."""
+        try:
+            self.kill()
+        finally:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (dead, not yet reaped) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def postgres_bindir() -> Path | None:
+    """Where initdb and postgres are: $PG_BINDIR, the newest /usr/lib/postgresql/<v>/bin, or PATH."""
+    candidates = []
+    if os.environ.get("PG_BINDIR"):
+        candidates.append(Path(os.environ["PG_BINDIR"]))
+    root = Path("/usr/lib/postgresql")
+    if root.is_dir():
+        versions = sorted((d for d in root.iterdir() if d.name.isdigit()), key=lambda d: int(d.name), reverse=True)
+        candidates += [d / "bin" for d in versions]
+    found = shutil.which("initdb")
+    if found:
+        candidates.append(Path(found).resolve().parent)
+    for candidate in candidates:
+        if (candidate / "initdb").exists() and (candidate / "postgres").exists():
+            return candidate
+    return None
+
+
 # -- Redis --------------------------------------------------------------------------------------
 
 
@@ -93,12 +381,15 @@ class PrivateRedis:
     replays the AOF (the kernel keeps what Redis wrote, so only a host crash could lose the
     last second)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path | None = None) -> None:
         self.port = free_port()
-        self.directory = directory
+        self.host = "127.0.0.1"
+        self._own_directory = directory is None
+        self.directory = Path(tempfile.mkdtemp(prefix="redisprivate-")) if directory is None else directory
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.popen: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        _at_exit(self.kill)  # never outlive this process, even without a cleanup()
 
     def start(self) -> None:
         binary = shutil.which("redis-server")
@@ -155,6 +446,13 @@ class PrivateRedis:
         self.start()
         return down, time.time()
 
+    def cleanup(self) -> None:
+        """Kill this server (only the process this object started); remove the temp dir if
+        this object created it. Idempotent."""
+        self.kill()
+        if self._own_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
 
 # -- beanstalkd ---------------------------------------------------------------------------------
 
@@ -163,14 +461,17 @@ class PrivateBeanstalkd:
     """beanstalkd with its binlog in ``directory`` (``-b``). ``restart`` is SIGKILL + a start
     that replays the binlog."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path | None = None) -> None:
         self.port = free_port()
+        self.host = "127.0.0.1"
         self.address = ("127.0.0.1", self.port)
-        self.directory = directory
-        self.binlog = directory / "binlog"
+        self._own_directory = directory is None
+        self.directory = Path(tempfile.mkdtemp(prefix="beanstalkdprivate-")) if directory is None else directory
+        self.binlog = self.directory / "binlog"
         self.binlog.mkdir(parents=True, exist_ok=True)
         self.popen: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        _at_exit(self.kill)  # never outlive this process, even without a cleanup()
 
     def start(self) -> None:
         binary = shutil.which("beanstalkd")
@@ -208,3 +509,10 @@ class PrivateBeanstalkd:
         time.sleep(1.0)
         self.start()
         return down, time.time()
+
+    def cleanup(self) -> None:
+        """Kill this server (only the process this object started); remove the temp dir if
+        this object created it. Idempotent."""
+        self.kill()
+        if self._own_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
