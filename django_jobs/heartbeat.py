@@ -1,4 +1,16 @@
-"""One background thread per worker: extends the current lease and enforces hard timeouts."""
+"""The heartbeat: one background thread per worker that keeps the current lease alive and
+enforces the hard time limit of the running attempt.
+
+It must outlive every fault of the backend, for the life of the process:
+
+- A beat that fails (the server restarted, failed over, or killed our connection) drops this
+  thread's connections and tries again at once on a fresh one, then every second, so the
+  lease survives as long as one beat per lease timeout reaches the backend.
+- The hard time limit fires whatever the backend's health: settling the timed-out attempt is
+  tried once, for a bounded time, and the process is ended either way (the supervisor starts a
+  fresh one). A settle that could not be made is left to the reaper.
+- Nothing a beat or a settle raises ends the thread.
+"""
 
 from __future__ import annotations
 
@@ -12,33 +24,46 @@ from .exceptions import LeaseLost
 
 logger = logging.getLogger("django_jobs.worker")
 
+# After a failed beat, the next try comes this soon (or at the normal interval, if shorter).
+RETRY_AFTER_FAILURE = 1.0
+# How long the hard time limit waits for its settle before it ends the process anyway.
+SETTLE_BEFORE_KILL = 5.0
+
 
 class Heartbeat:
-    """Extends the watched lease every third of the lease timeout while a job runs.
+    """Extends the watched lease every third of the lease timeout, from the moment a delivery
+    is trusted until it is settled; runs the watched delivery's keep-alive callbacks (its
+    idempotency key and single-instance lock) on every beat.
 
-    Watching costs the hot path two attribute writes under a lock; the thread is long-lived.
+    Watching costs the hot path a few attribute writes under a lock; the thread is long-lived.
     """
 
     def __init__(
         self,
         backend: QueueBackend,
         lease_seconds: float,
-        on_hard_timeout: Callable[[Lease], None],
+        on_hard_timeout: Callable[[], None] | None = None,
     ) -> None:
         self.backend = backend
         self.lease_seconds = lease_seconds
         self.interval = max(lease_seconds / 3, 0.05)
+        # Runs after a hard time limit was settled (or gave up): the worker ends its process.
         self.on_hard_timeout = on_hard_timeout
         self._cond = threading.Condition()
         self._lease: Lease | None = None
-        self._hard_deadline: float | None = None
-        self._last_beat = 0.0
         self._keep_alive: Sequence[Callable[[], None]] = ()
+        self._next_beat = 0.0
+        self._lost: Lease | None = None
+        self._deadline: float | None = None
+        self._on_deadline: Callable[[], None] | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
 
+    # -- called by the worker's main thread --
+
     def start(self) -> None:
         if self._thread is None:
+            self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="django-jobs-heartbeat", daemon=True)
             self._thread.start()
 
@@ -50,63 +75,126 @@ class Heartbeat:
             self._thread.join(timeout=5)
             self._thread = None
 
-    def watch(
-        self, lease: Lease, hard_deadline: float | None, keep_alive: Sequence[Callable[[], None]] = ()
-    ) -> None:
-        """Start heartbeating ``lease``; ``hard_deadline`` is a ``time.monotonic()`` value.
-
-        ``keep_alive`` callables run on every beat too (the job's idempotency key and
-        single-instance lock live as long as its lease).
-        """
+    def watch(self, lease: Lease, keep_alive: Sequence[Callable[[], None]] = ()) -> None:
+        """Keep ``lease`` alive until :meth:`clear`; ``keep_alive`` callables run on every beat."""
         with self._cond:
-            self._lease, self._hard_deadline, self._last_beat = lease, hard_deadline, time.monotonic()
-            self._keep_alive = keep_alive
-            if hard_deadline is not None:
-                self._cond.notify()
+            self._lease, self._keep_alive = lease, keep_alive
+            self._next_beat = time.monotonic() + self.interval
 
-    def clear(self) -> None:
+    def arm(self, deadline: float, on_deadline: Callable[[], None]) -> None:
+        """Hard time limit of the running attempt: at ``deadline`` (a ``time.monotonic()``
+        value) settle it with ``on_deadline``, then call ``on_hard_timeout``."""
         with self._cond:
-            self._lease = self._hard_deadline = None
+            self._deadline, self._on_deadline = deadline, on_deadline
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._deadline = self._on_deadline = None
+
+    def clear(self, lease: Lease) -> None:
+        """The delivery of ``lease`` is over: stop beating it."""
+        with self._cond:
+            if self._lease is lease:
+                self._lease, self._keep_alive = None, ()
+                self._deadline = self._on_deadline = None
+
+    def lost(self, lease: Lease) -> bool:
+        """Did a beat find that ``lease`` is no longer ours (it was reaped)?"""
+        return self._lost is lease
+
+    # -- the thread --
 
     def _loop(self) -> None:
-        with self._cond:
-            while not self._stopping:
-                lease = self._lease
-                if lease is None:
-                    # Poll rather than be notified: watch() then costs the hot path no thread
-                    # wake-up, and a new lease is still beaten within one interval of its start.
-                    self._cond.wait(self.interval)
-                    continue
-                now = time.monotonic()
-                due = self._last_beat + self.interval
-                if self._hard_deadline is not None and now >= self._hard_deadline:
-                    self._lease = self._hard_deadline = None
-                    self._cond.release()
-                    try:
-                        self.on_hard_timeout(lease)
-                    finally:
-                        self._cond.acquire()
-                    continue
-                if now >= due:
-                    self._last_beat = now
-                    self._cond.release()
-                    try:
-                        self._beat(lease)
-                    finally:
-                        self._cond.acquire()
-                    continue
-                wake = due if self._hard_deadline is None else min(due, self._hard_deadline)
-                self._cond.wait(wake - now)
-
-    def _beat(self, lease: Lease) -> None:
-        try:
-            self.backend.extend(lease, self.lease_seconds)
-            for keep in self._keep_alive:
-                keep()
-        except LeaseLost:
-            logger.warning("job %s: lease lost while running (reaped after a stall?)", lease.token)
+        while True:
             with self._cond:
-                if self._lease is lease:
-                    self._lease = None
-        except Exception:  # a broker blip must not kill the heartbeat; try again next beat
-            logger.exception("job %s: heartbeat failed", lease.token)
+                if self._stopping:
+                    return
+                action = self._due()
+                if action is None:
+                    continue
+            try:
+                action()
+            except BaseException:
+                logger.exception("heartbeat: unexpected error; carrying on")
+
+    def _due(self) -> Callable[[], None] | None:
+        """Under the lock: what is due now, or wait until something may be."""
+        lease, now = self._lease, time.monotonic()
+        if lease is None:
+            # Poll rather than be notified: watch() then costs the hot path no thread wake-up,
+            # and a new lease is still beaten within one interval of its start.
+            self._cond.wait(self.interval)
+            return None
+        if self._deadline is not None and now >= self._deadline:
+            on_deadline = self._on_deadline
+            self._lease, self._keep_alive = None, ()
+            self._deadline = self._on_deadline = None
+            return lambda: self._hard_timeout(on_deadline)
+        if now >= self._next_beat:
+            keep_alive = self._keep_alive
+            self._next_beat = now + self.interval
+            return lambda: self._beat(lease, keep_alive)
+        wake = self._next_beat if self._deadline is None else min(self._next_beat, self._deadline)
+        self._cond.wait(wake - now)
+        return None
+
+    def _beat(self, lease: Lease, keep_alive: Sequence[Callable[[], None]]) -> None:
+        if not self._extend(lease):
+            return
+        for keep in keep_alive:
+            try:
+                keep()
+            except Exception:
+                logger.warning("job %s: could not renew its idempotency key or lock", lease.token, exc_info=True)
+                self._reset_connections()
+
+    def _extend(self, lease: Lease) -> bool:
+        """One beat: extend, and on a backend error retry once at once on fresh connections."""
+        for last_try in (False, True):
+            try:
+                self.backend.extend(lease, self.lease_seconds)
+                return True
+            except LeaseLost:
+                with self._cond:
+                    if self._lease is lease:  # not a late beat of a job already settled
+                        logger.warning("job %s: lease lost while running (reaped after a stall?)", lease.token)
+                        self._lost, self._lease = lease, None
+                return False
+            except Exception:
+                self._reset_connections()
+                if last_try:
+                    logger.warning("job %s: heartbeat failed; retrying in %gs", lease.token,
+                                   min(self.interval, RETRY_AFTER_FAILURE), exc_info=True)
+                    with self._cond:
+                        if self._lease is lease:
+                            self._next_beat = time.monotonic() + min(self.interval, RETRY_AFTER_FAILURE)
+        return False
+
+    def _reset_connections(self) -> None:
+        """Drop this thread's connections; the main thread keeps its own."""
+        try:
+            self.backend.reset_connection()
+        except Exception:  # closing a dead connection may raise; it is gone either way
+            logger.debug("heartbeat: closing a broken connection failed", exc_info=True)
+
+    def _hard_timeout(self, on_deadline: Callable[[], None] | None) -> None:
+        """Settling can wait, killing cannot: the settle gets a bounded time in a thread of its
+        own (it may hang on an unreachable backend), then the process ends either way."""
+        if on_deadline is not None:
+            settler = threading.Thread(target=self._settle_quietly, args=(on_deadline,), daemon=True)
+            settler.start()
+            settler.join(SETTLE_BEFORE_KILL)
+            if settler.is_alive():
+                logger.error("hard timeout: the backend did not answer in %gs; the reaper will settle the job",
+                             SETTLE_BEFORE_KILL)
+        if self.on_hard_timeout is not None:
+            self.on_hard_timeout()
+
+    def _settle_quietly(self, settle: Callable[[], None]) -> None:
+        try:
+            settle()
+        except Exception:
+            logger.exception("hard timeout: could not settle the job; the reaper will")
+        finally:
+            self._reset_connections()  # this short-lived thread's own connections

@@ -6,9 +6,13 @@ import logging
 import time
 from collections.abc import Callable
 
+from . import signing
 from .backends import get_backend
-from .backends.base import QueueBackend
+from .backends.base import Lease, QueueBackend
+from .envelope import Envelope
+from .exceptions import BadSignature, InvalidPayload, LeaseLost
 from .metrics import MetricsCollector, get_collector
+from .retry import after_lost_run
 
 logger = logging.getLogger("django_jobs.reaper")
 
@@ -50,3 +54,53 @@ class Reaper:
             end = time.monotonic() + interval
             while not should_stop() and time.monotonic() < end:
                 time.sleep(max(min(0.1, end - time.monotonic()), 0))
+
+
+# How many lost-run redeliveries one fetch settles (each waits for its backoff or fails) before
+# it returns None, so a fetch stays short however many crashed deliveries are queued.
+LOST_RUN_BATCH = 10
+
+
+def settle_lost_runs(backend: QueueBackend, lease: Lease, lost: int, how: str) -> bool:
+    """The reaper's rule, applied at fetch by brokers that expire leases themselves (``native_lease``).
+
+    The broker's own delivery count shows that ``lost`` earlier deliveries of this message ended
+    without a settle (a worker crashed or stalled): each is a failed run, already added to
+    ``lease.envelope.attempts``. As ``reap_expired`` does for the other backends, a job whose
+    retries are spent is failed (``abandon``, logged as critical and counted as
+    ``jobs_failed_permanently``, as the worker does) and one with retries left waits for its
+    backoff (``nack``), neither counted again. Returns ``True`` when it settled the lease that
+    way, and ``False`` when the lease is to be handed to the worker now (no lost run, a retry
+    due at once, or an envelope the worker must reject first: its fields are not trusted
+    before its signature is checked).
+    """
+    env = lease.envelope
+    if lost <= 0 or env is None or not _verifies(env, lease.queue):
+        return False
+    # This delivery follows one whose lease lapsed: one lease recovered, as the reaper counts.
+    metrics = get_collector()
+    metrics.increment("jobs_reaped", queue=lease.queue)
+    delay = after_lost_run(env.attempts - 1, env.max_retries, env.options)
+    if delay is not None and delay <= 0:
+        return False
+    error = f"WorkerLost: {how} (worker crashed or stalled)"
+    try:
+        if delay is None:
+            backend.abandon(lease, error, count_run=False)
+            metrics.increment("jobs_failed_permanently", queue=lease.queue)
+            logger.critical("job %s (%s) failed permanently after %d run(s): %s",
+                            env.id, env.name or env.handler, env.attempts, error)
+        else:
+            backend.nack(lease, delay, error=error, count_run=False)
+            logger.warning("job %s on %s: %s; retried in %gs", env.id, lease.queue, error, delay)
+    except LeaseLost:
+        pass  # another delivery of it is being handled elsewhere
+    return True
+
+
+def _verifies(envelope: Envelope, queue: str) -> bool:
+    try:
+        signing.verify_delivery(envelope, queue)
+    except (BadSignature, InvalidPayload):
+        return False
+    return True

@@ -9,8 +9,10 @@ from pathlib import Path
 
 BASE = Path(__file__).resolve().parent
 SUBPROCESS = os.environ.get("JOBS_TEST_SUBPROCESS") == "1"
-SQLITE_TEST = os.environ.get("JOBS_TEST_SQLITE", str(BASE.parent / ".test-default.sqlite3"))
-PG_TEST = os.environ.get("JOBS_TEST_PG_TEST_NAME", "test_django_jobs")
+# Test database names per test session (worker subprocesses inherit them through the
+# environment), so concurrent sessions on one machine never drop each other's databases.
+SQLITE_TEST = os.environ.setdefault("JOBS_TEST_SQLITE", str(BASE.parent / f".test-default-{os.getpid()}.sqlite3"))
+PG_TEST = os.environ.setdefault("JOBS_TEST_PG_TEST_NAME", f"test_django_jobs_{os.getpid()}")
 MARIA_TEST = os.environ.get("JOBS_TEST_MARIA_TEST_NAME", PG_TEST)
 
 SECRET_KEY = "tests-only-secret-key-not-for-production"
@@ -108,6 +110,8 @@ JOBS = {
     },
     "QUEUES": ["default", "other", "emails"],
     "POLL_INTERVAL": 0.05,
+    # The command handler runs only allowlisted management commands (tests/test_api.py runs this one).
+    "ALLOWED_COMMANDS": ["clearsessions"],
 }
 if os.environ.get("JOBS_TEST_LEASE_TIMEOUT"):
     JOBS["LEASE_TIMEOUT"] = float(os.environ["JOBS_TEST_LEASE_TIMEOUT"])

@@ -41,11 +41,11 @@ def test_heartbeat_keeps_the_jobs_locks_alive_with_its_lease():
     # or a second delivery could run a long job concurrently.
     backend = _CountingBackend()
     kept = threading.Event()
-    heartbeat = Heartbeat(backend, lease_seconds=0.3, on_hard_timeout=lambda lease: None)  # type: ignore[arg-type]
+    heartbeat = Heartbeat(backend, lease_seconds=0.3)  # type: ignore[arg-type]
     heartbeat.start()
     try:
         lease = Lease(token="t", owner_token="o", expires_at=None, queue="default")  # type: ignore[arg-type]
-        heartbeat.watch(lease, None, [kept.set])
+        heartbeat.watch(lease, [kept.set])
         assert kept.wait(10), "keep-alive callbacks never ran"
         assert backend.extended >= 1
     finally:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,13 +11,8 @@ from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
-from .. import signing
 from ..envelope import Envelope
-from ..exceptions import BadSignature, InvalidPayload, LeaseLost
-from ..metrics import get_collector
-from ..retry import after_lost_run
-
-logger = logging.getLogger("django_jobs.reaper")
+from ..exceptions import InvalidPayload
 
 
 @dataclass(slots=True)
@@ -54,6 +49,8 @@ class QueueBackend(ABC):
     supports_retry: bool = True
     # Messages survive a restart of the backend.
     persistent: bool = True
+    # abandon() also records a failed ``Job`` row (the database backend's own row is that record).
+    audit_failures: bool = True
     # enqueue() joins the caller's database transaction, so no on_commit deferral is needed.
     transactional: bool = False
 
@@ -86,9 +83,23 @@ class QueueBackend(ABC):
         not run (its idempotency key or single-instance lock was held elsewhere).
         """
 
-    @abstractmethod
     def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
-        """Settle the message as permanently failed and keep it for audit."""
+        """Settle the message as permanently failed and keep it for audit: the backend's own
+        dead letter, then (``audit_failures``) a failed ``Job`` row the admin shows and retries."""
+        self.dead_letter(lease, error, count_run=count_run)
+        if self.audit_failures and lease.envelope is not None:
+            self.record_failure(lease.envelope, error, lease.envelope.attempts + int(count_run))
+
+    @abstractmethod
+    def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
+        """The backend's own half of :meth:`abandon` (a failed set, a bury, a dead-letter
+        subqueue, a failed row); fenced like every settle."""
+
+    def record_failure(self, envelope: Envelope, error: str, attempts: int) -> None:
+        """Keep a failed ``Job`` row of a job this backend settled for good (never raises)."""
+        from ..audit import record_failure  # the models load after the app registry
+
+        record_failure(envelope, error, self.name, attempts)
 
     @abstractmethod
     def extend(self, lease: Lease, seconds: float) -> None:
@@ -129,6 +140,17 @@ class QueueBackend(ABC):
     def close(self) -> None:
         """Release connections (called on worker shutdown and after fork)."""
 
+    def reset_connection(self) -> None:
+        """After an error in the calling thread (a restarted server, a failover, a killed
+        session): drop what this thread holds, so its next call connects afresh. Other threads'
+        connections are left alone. The default closes the thread's Django database connections
+        (failed-job records and database caches use them) outside a transaction; brokers whose
+        clients reconnect by themselves need nothing more."""
+        for connection in connections.all(initialized_only=True):
+            if not connection.in_atomic_block:
+                with contextlib.suppress(Exception):  # a dead connection may fail to close; it is gone
+                    connection.close()
+
     def submit(self, envelopes: list[Envelope]) -> None:
         """Enqueue, deferring to the end of the caller's transaction for non-database backends,
         so a worker never sees a job before the rows it refers to are committed."""
@@ -156,53 +178,3 @@ def decode_lease_body(raw: bytes | str) -> tuple[Envelope | None, InvalidPayload
         return Envelope.from_bytes(raw), None
     except InvalidPayload as exc:
         return None, exc
-
-
-# How many lost-run redeliveries one fetch settles (each waits for its backoff or fails) before
-# it returns None, so a fetch stays short however many crashed deliveries are queued.
-LOST_RUN_BATCH = 10
-
-
-def settle_lost_runs(backend: QueueBackend, lease: Lease, lost: int, how: str) -> bool:
-    """The reaper's rule for brokers that expire leases themselves (``native_lease``).
-
-    The broker's own delivery count shows that ``lost`` earlier deliveries of this message ended
-    without a settle (a worker crashed or stalled): each is a failed run, already added to
-    ``lease.envelope.attempts``. As ``reap_expired`` does for the other backends, a job whose
-    retries are spent is failed (``abandon``, logged as critical and counted as
-    ``jobs_failed_permanently``, as the worker does) and one with retries left waits for its
-    backoff (``nack``), neither counted again. Returns ``True`` when it settled the lease that
-    way, and ``False`` when the lease is to be handed to the worker now (no lost run, a retry
-    due at once, or an envelope the worker must reject first: its fields are not trusted
-    before its signature is checked).
-    """
-    env = lease.envelope
-    if lost <= 0 or env is None or not _verifies(env, lease.queue):
-        return False
-    # This delivery follows one whose lease lapsed: one lease recovered, as the reaper counts.
-    metrics = get_collector()
-    metrics.increment("jobs_reaped", queue=lease.queue)
-    delay = after_lost_run(env.attempts - 1, env.max_retries, env.options)
-    if delay is not None and delay <= 0:
-        return False
-    error = f"WorkerLost: {how} (worker crashed or stalled)"
-    try:
-        if delay is None:
-            backend.abandon(lease, error, count_run=False)
-            metrics.increment("jobs_failed_permanently", queue=lease.queue)
-            logger.critical("job %s (%s) failed permanently after %d run(s): %s",
-                            env.id, env.name or env.handler, env.attempts, error)
-        else:
-            backend.nack(lease, delay, error=error, count_run=False)
-            logger.warning("job %s on %s: %s; retried in %gs", env.id, lease.queue, error, delay)
-    except LeaseLost:
-        pass  # another delivery of it is being handled elsewhere
-    return True
-
-
-def _verifies(envelope: Envelope, queue: str) -> bool:
-    try:
-        signing.verify_delivery(envelope, queue)
-    except (BadSignature, InvalidPayload):
-        return False
-    return True

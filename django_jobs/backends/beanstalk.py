@@ -19,11 +19,11 @@ from typing import Any
 from django.utils import timezone
 
 from .. import conf
-from ..audit import record_failure
 from ..envelope import Envelope
 from ..exceptions import LeaseLost
 from . import require
-from .base import LOST_RUN_BATCH, Lease, QueueBackend, decode_lease_body, settle_lost_runs
+from ..reaper import LOST_RUN_BATCH, settle_lost_runs
+from .base import Lease, QueueBackend, decode_lease_body
 
 greenstalk = require("greenstalk", "beanstalk")
 
@@ -169,10 +169,8 @@ class BeanstalkBackend(QueueBackend):
             self._put(tube, env.next_attempt() if count_run else env, delay)
         self._settle(lease, "delete")
 
-    def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
+    def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
         self._settle(lease, "bury")
-        if lease.envelope is not None:
-            record_failure(lease.envelope, error, self.name, lease.envelope.attempts + int(count_run))
 
     def extend(self, lease: Lease, seconds: float) -> None:
         # touch restarts the job's TTR (the lease timeout).

@@ -67,6 +67,7 @@ class DatabaseBackend(QueueBackend):
 
     supports_priority = True
     transactional = True
+    audit_failures = False  # a failed job keeps its own row
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
@@ -187,7 +188,7 @@ class DatabaseBackend(QueueBackend):
             [int(count_run), self._adapt(available), bool(error), error],
         )
 
-    def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
+    def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
         self._settle(
             lease, "status = 'failed', attempts = attempts + %s, finished_at = %s, last_error = %s",
             [int(count_run), self._adapt(timezone.now()), error],
@@ -204,24 +205,41 @@ class DatabaseBackend(QueueBackend):
         lease.expires_at = expires
 
     def reap_expired(self, queue: str | None = None) -> int:
-        """Each expired lease counts as a failed run: requeued with backoff, or failed."""
+        """Each expired lease counts as a failed run: requeued with backoff, or failed.
+
+        A row's own backoff (``options``) is used only when its signature verifies; any other
+        row is recovered with the global policy. One row's error is logged and counted
+        (``jobs_reap_errors``) and never stops the pass.
+        """
+        from django.db import InterfaceError, OperationalError
+
+        from ..operations import envelope_of  # operations imports this module
+        from ..retry import reaping, trusted_options
+
         now = timezone.now()
         jobs = Job.objects.using(self.alias)
         expired = jobs.filter(status=JobStatus.IN_PROGRESS, leased_until__lt=now)
         if queue is not None:
             expired = expired.filter(queue=queue)
+        fields = ("id", "queue", "handler", "payload", "options", "signature", "name", "priority", "max_retries",
+                  "timeout", "idempotency_key", "owner_token", "attempts", "leased_until")
         reaped = 0
-        for job in expired.only("id", "owner_token", "attempts", "max_retries", "options", "leased_until"):
-            error = WorkerLost.describe(job.leased_until)
-            delay = after_lost_run(job.attempts, job.max_retries, job.options)
-            if delay is None:
-                changes = {"status": JobStatus.FAILED, "finished_at": now}
-            else:
-                changes = {"status": JobStatus.PENDING, "available_at": now + timedelta(seconds=delay)}
-            # Fenced on the owner token we read: a concurrent reaper or a late ack wins cleanly.
-            reaped += jobs.filter(pk=job.pk, owner_token=job.owner_token, status=JobStatus.IN_PROGRESS).update(
-                attempts=job.attempts + 1, owner_token=None, leased_until=None, last_error=error, updated_at=now, **changes
-            )
+        for job in expired.only(*fields):
+            # A lost connection ends the pass (every later row would fail the same way).
+            with reaping(job.pk, job.queue, fatal=(OperationalError, InterfaceError)), \
+                    transaction.atomic(using=self.alias):  # a savepoint: a failed row leaves the others usable
+                error = WorkerLost.describe(job.leased_until)
+                options = trusted_options(envelope_of(job), job.queue)
+                delay = after_lost_run(job.attempts, job.max_retries, options)
+                if delay is None:
+                    changes = {"status": JobStatus.FAILED, "finished_at": now}
+                else:
+                    changes = {"status": JobStatus.PENDING, "available_at": now + timedelta(seconds=delay)}
+                # Fenced on the owner token we read: a concurrent reaper or a late ack wins cleanly.
+                reaped += jobs.filter(pk=job.pk, owner_token=job.owner_token, status=JobStatus.IN_PROGRESS).update(
+                    attempts=job.attempts + 1, owner_token=None, leased_until=None, last_error=error, updated_at=now,
+                    **changes,
+                )
         return reaped
 
     def close(self) -> None:

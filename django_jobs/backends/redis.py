@@ -162,12 +162,10 @@ class RedisBackend(QueueBackend):
         again.available_at = _from_ms(_ms(due))
         self._fenced("nack", lease, again.to_bytes(), _ms(due), _ms(), error)
 
-    def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
+    def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
         env = lease.envelope
         body = b"" if env is None else (env.next_attempt() if count_run else env).to_bytes()
         self._fenced("abandon", lease, body, _ms(), error)
-        if env is not None:
-            record_failure(env, error, self.name, env.attempts + int(count_run))
 
     def extend(self, lease: Lease, seconds: float) -> None:
         deadline = _ms(time.time() + seconds)
@@ -179,6 +177,8 @@ class RedisBackend(QueueBackend):
         return sum(self._reap_queue(q) for q in ([queue] if queue else conf.queues()))
 
     def _reap_queue(self, queue: str) -> int:
+        from ..retry import reaping, trusted_options
+
         keys = self.keys(queue)
         now = _ms()
         ids = self.client.zrangebyscore(keys[2], "-inf", now, start=0, num=REAP_BATCH, withscores=True)
@@ -190,20 +190,27 @@ class RedisBackend(QueueBackend):
         owners, bodies = pipe.execute()
         reaped = 0
         for (job_id, deadline), owner, body in zip(ids, owners, bodies, strict=True):
-            error = WorkerLost.describe(_from_ms(deadline))
-            env, _ = decode_lease_body(body) if body is not None else (None, None)
-            delay = None if env is None else after_lost_run(env.attempts, env.max_retries, env.options)
-            if env is None:  # undecodable: nothing to retry, keep it failed for audit
-                action, new_body, due = "fail", b"", 0
-            else:
-                again = env.next_attempt()
-                action = "fail" if delay is None else "retry"
-                due = now + int((delay or 0) * 1000)  # same clock as `now`: no delay means ready now
-                new_body = again.to_bytes()
-            if self._run("reap", queue, job_id, owner or b"", now, action, new_body, due, error):
-                reaped += 1
-                if env is not None and action == "fail":
-                    record_failure(env, error, self.name, env.attempts + 1)
+            # One message's error is logged and counted and never stops the pass; a lost
+            # connection does (every later message would fail the same way).
+            with reaping(job_id, queue, fatal=(redis.ConnectionError, redis.TimeoutError)):
+                try:
+                    error = WorkerLost.describe(_from_ms(deadline))
+                except (ValueError, OverflowError, OSError):  # a score written by hand
+                    error = "WorkerLost: lease expired (worker crashed or stalled)"
+                env, _ = decode_lease_body(body) if body is not None else (None, None)
+                if env is None:  # undecodable: nothing to retry, keep it failed for audit
+                    action, new_body, due = "fail", b"", 0
+                else:
+                    # Its own backoff only if it verifies; an unverified message is still recovered
+                    # (a lost run) with the global policy, and the worker rejects it when fetched.
+                    delay = after_lost_run(env.attempts, env.max_retries, trusted_options(env, queue))
+                    action = "fail" if delay is None else "retry"
+                    due = now + int((delay or 0) * 1000)  # same clock as `now`: no delay means ready now
+                    new_body = env.next_attempt().to_bytes()
+                if self._run("reap", queue, job_id, owner or b"", now, action, new_body, due, error):
+                    reaped += 1
+                    if env is not None and action == "fail":
+                        record_failure(env, error, self.name, env.attempts + 1)
         return reaped
 
     def wait_for_work(self, queues: list[str], timeout: float) -> bool:

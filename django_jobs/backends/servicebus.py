@@ -22,11 +22,11 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
 from .. import conf
-from ..audit import record_failure
 from ..envelope import Envelope
 from ..exceptions import InvalidPayload, LeaseLost
 from . import require
-from .base import LOST_RUN_BATCH, Lease, QueueBackend, decode_lease_body, settle_lost_runs
+from ..reaper import LOST_RUN_BATCH, settle_lost_runs
+from .base import Lease, QueueBackend, decode_lease_body
 
 require("azure.servicebus", "servicebus")
 
@@ -317,7 +317,7 @@ class ServiceBusBackend(QueueBackend):
         self._send(lease.queue, [again])
         self._settle(lease, "complete_message")
 
-    def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
+    def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
         reason = error.partition("\n")[0]
         self._settle(
             lease,
@@ -325,8 +325,6 @@ class ServiceBusBackend(QueueBackend):
             reason=reason[:MAX_REASON_CHARS],
             error_description=error[:MAX_DESCRIPTION_CHARS],
         )
-        if lease.envelope is not None:
-            record_failure(lease.envelope, error, self.name, lease.envelope.attempts + int(count_run))
 
     def extend(self, lease: Lease, seconds: float) -> None:
         """Renew the lock: it now expires the entity's LockDuration from now (Service Bus has no

@@ -1,8 +1,8 @@
 """The sync backend: every job runs inline, once, at dispatch (for tests and development).
 
-It goes through the real worker pipeline (signature check, handler allowlist, idempotency,
+It goes through the real delivery pipeline (signature check, handler allowlist, idempotency,
 timeout) so behaviour matches production; there is no queue, so no retry and no delay. A
-permanent failure is recorded as a failed ``Job`` row (SPEC 7), like every backend's.
+permanent failure is recorded as a failed ``Job`` row, like every backend's.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Any
 
 from django.utils import timezone
 
-from ..audit import record_failure
 from ..envelope import Envelope
 from .base import Lease, QueueBackend
 
@@ -27,13 +26,13 @@ class SyncBackend(QueueBackend):
         self.last_results: list[Any] = []
 
     def enqueue(self, envelope: Envelope) -> str:
-        from ..worker import QueueWorker  # the worker imports the backends package
+        from ..pipeline import DeliveryPipeline  # the pipeline imports the backends package
 
         lease = Lease(
             token=envelope.id, owner_token=secrets.token_hex(8), expires_at=timezone.now(),
             queue=envelope.queue, envelope=envelope,
         )
-        result = QueueWorker(self, [envelope.queue]).process(lease)
+        result = DeliveryPipeline(self).process(lease)
         self.last_results = [*self.last_results[-99:], result]
         return envelope.id
 
@@ -46,9 +45,8 @@ class SyncBackend(QueueBackend):
     def nack(self, lease: Lease, delay: float, *, error: str = "", count_run: bool = True) -> None:
         pass
 
-    def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
-        if lease.envelope is not None:
-            record_failure(lease.envelope, error, self.name, lease.envelope.attempts + int(count_run))
+    def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
+        pass  # nothing is queued: the failed Job row abandon() records is the whole record
 
     def extend(self, lease: Lease, seconds: float) -> None:
         pass

@@ -1,0 +1,446 @@
+"""The delivery pipeline: one fetched lease -> verify -> guards -> run -> decide -> settle.
+
+Each step either hands the delivery on or ends it with a :class:`Verdict`; :meth:`settle` is
+the one place a verdict reaches the backend, and its :class:`WorkerResult` is built once there.
+The pipeline knows only the backend protocol. It runs in the worker's main thread; the
+:class:`~django_jobs.heartbeat.Heartbeat` keeps the lease alive from the moment the delivery is
+trusted until it is settled, so the guards run under the heartbeat too.
+
+What no single delivery may do, whatever it contains:
+
+- run before its signature and queue are verified (it is rejected, never run);
+- start on a lease this worker no longer holds (it ends ``lease-lost``, not run);
+- settle from a process that did not claim it (a job's forked child that unwinds out of the
+  job exits at once);
+- leave its lease to the reaper because of an error in the worker's own code or in a guard's
+  cache (it is settled at once as a failed run, with that error recorded).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from django.utils import timezone
+
+from . import conf, registry, signing
+from .backends.base import Lease, QueueBackend
+from .envelope import Envelope
+from .exceptions import BadSignature, HandlerNotAllowed, InvalidPayload, JobsError, JobTimeout, LeaseLost
+from .heartbeat import Heartbeat
+from .idempotency import Claim, IdempotencyGuard
+from .locks import CacheLock
+from .metrics import MetricsCollector, get_collector
+from .retry import policy_for
+from .timeouts import HARD_TIMEOUT_GRACE, time_limit
+
+logger = logging.getLogger("django_jobs.worker")
+
+# Failures that no retry can fix.
+PERMANENT_ERRORS = (BadSignature, HandlerNotAllowed, InvalidPayload)
+MAX_ERROR_CHARS = 20_000
+# Pauses between tries of a settle that hit a transient backend error (then it gives up).
+SETTLE_RETRY_PAUSES = (0.2, 1.0, 3.0)
+
+
+class Outcome(StrEnum):
+    """How one delivery ended (``WorkerResult.status``)."""
+
+    EMPTY = "empty"  # nothing was fetched
+    ACKED = "acked"  # the run succeeded
+    REQUEUED = "requeued"  # the run failed and waits for a retry, or it did not run and waits
+    DEAD_LETTERED = "dead-lettered"  # failed for good, kept for audit
+    REJECTED = "rejected"  # undecodable, badly signed or an unknown handler: never run
+    SKIPPED_IDEMPOTENT = "skipped-idempotent"  # its idempotency key already succeeded
+    LEASE_LOST = "lease-lost"  # the lease was reaped meanwhile: another delivery owns the job
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerResult:
+    """What one delivery did. ``attempt`` is the 1-based run number."""
+
+    status: Outcome
+    job_id: str | None = None
+    attempt: int | None = None
+    error: str | None = None
+    queue: str | None = None
+    handler: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What to tell the backend about a delivery: the outcome and what goes with it."""
+
+    outcome: Outcome
+    error: str | None = None
+    delay: float = 0.0
+    count_run: bool = True  # the delivery ran the handler (or lost a run): ``attempts`` grows
+    seconds: float = 0.0
+    counter: str | None = None  # for rejections: which ``jobs_rejected_*`` counter
+
+
+class JobContext:
+    """Passed to handlers: the envelope, the attempt number and the time left."""
+
+    __slots__ = ("attempt", "deadline", "envelope", "lease")
+
+    def __init__(self, envelope: Envelope, attempt: int, deadline: float | None, lease: Lease) -> None:
+        self.envelope, self.attempt, self.deadline, self.lease = envelope, attempt, deadline, lease
+
+    @property
+    def payload(self) -> Any:
+        return self.envelope.payload
+
+    @property
+    def job_id(self) -> str:
+        return self.envelope.id
+
+    def remaining(self) -> float | None:
+        """Seconds left before the attempt's timeout, or ``None`` when unlimited."""
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+
+
+def format_error(exc: BaseException) -> str:
+    """``ExceptionClass: message`` followed by the traceback, bounded in size.
+
+    Never raises: an exception whose ``__str__`` fails is still described.
+    """
+    try:
+        message = str(exc)
+    except Exception as broken:  # noqa: BLE001 - describing the error must not become one
+        message = f"<unprintable {type(exc).__name__}: str() raised {type(broken).__name__}>"
+    text = f"{type(exc).__name__}: {message}\n" + "".join(traceback.format_exception(exc))
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 20] + "\n... (truncated)"
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One trusted delivery on its way through the pipeline."""
+
+    lease: Lease
+    env: Envelope
+    handler: Any
+    pid: int = field(default_factory=os.getpid)  # the process that claimed it, and alone settles it
+    keep_alive: list[Callable[[], None]] = field(default_factory=list)  # renewed with the lease
+    on_success: list[Callable[[], None]] = field(default_factory=list)  # before the ack
+    release: list[Callable[[], None]] = field(default_factory=list)  # after any ending
+
+    @property
+    def attempt(self) -> int:
+        return self.env.attempts + 1
+
+
+class DeliveryPipeline:
+    """Takes one fetched lease through verify, guards, run, retry decision and settle."""
+
+    def __init__(
+        self,
+        backend: QueueBackend,
+        *,
+        metrics: MetricsCollector | None = None,
+        heartbeat: Heartbeat | None = None,
+        busy_delay: float = 1.0,
+    ) -> None:
+        self.backend = backend
+        self.metrics = metrics or get_collector()
+        self.heartbeat = heartbeat
+        self.busy_delay = busy_delay
+        self.lease_seconds = float(conf.get("LEASE_TIMEOUT"))
+        registry.autodiscover()  # @job handlers register on import; cheap once imported
+        # How a success is acked: the run loop swaps in an ack that also leases the next job.
+        self.ack: Callable[[Lease], None] = backend.ack
+
+    # -- the pipeline --
+
+    def process(self, lease: Lease) -> WorkerResult:
+        """Verify, run and settle one fetched lease. A job's own failure never raises; only an
+        unreachable backend does (the lease is then left for the reaper)."""
+        self.metrics.increment("jobs_fetched", queue=lease.queue)
+        delivery, verdict = self._admit(lease)
+        if delivery is None:
+            return self.settle(lease, verdict)
+        if self.heartbeat is not None:
+            self.heartbeat.watch(lease, delivery.keep_alive)
+        try:
+            try:
+                verdict = self._guarded_run(delivery)
+            except Exception as exc:  # the worker's own code or a guard's cache failed: a failed run
+                logger.exception("job %s: error in the worker around the job; settling it as a failed run", lease.token)
+                verdict = self._failed(delivery, exc, seconds=0.0)
+            return self.settle(lease, verdict, on_success=delivery.on_success)
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.clear(lease)
+            for release in delivery.release:
+                _quietly(release, "release a guard")
+
+    def _admit(self, lease: Lease) -> tuple[Delivery | None, Verdict]:
+        """Verify before trusting any field, including the queue the message claims."""
+        env = lease.envelope
+        if env is None:
+            return None, _rejection(lease.error or InvalidPayload("undecodable message"), "jobs_rejected_payload")
+        try:
+            signing.verify_delivery(env, lease.queue)
+        except BadSignature as exc:
+            return None, _rejection(exc, "jobs_rejected_signature")
+        except InvalidPayload as exc:  # fields no JSON encoder accepts (inf, lone surrogates)
+            return None, _rejection(exc, "jobs_rejected_payload")
+        if env.attempts > env.max_retries:
+            # The broker's delivery count says earlier deliveries were lost: the budget is spent.
+            lost = f"WorkerLost: delivered {env.attempts} times, max_retries={env.max_retries}"
+            return None, Verdict(Outcome.DEAD_LETTERED, lost, count_run=False)
+        try:
+            handler = registry.resolve(env.handler, lease.queue)
+        except HandlerNotAllowed as exc:
+            return None, _rejection(exc, "jobs_rejected_handler")
+        return Delivery(lease, env, handler), Verdict(Outcome.ACKED)
+
+    def _guarded_run(self, d: Delivery) -> Verdict:
+        held = self._take_guards(d)
+        if held is not None:
+            return held
+        if not self._still_held(d.lease):
+            logger.warning("job %s: its lease was lost before it could start; not running it", d.env.id)
+            return Verdict(Outcome.LEASE_LOST, count_run=False)
+        return self._run(d)
+
+    def _take_guards(self, d: Delivery) -> Verdict | None:
+        """The idempotency key and the single-instance lock; a verdict means: do not run."""
+        env, owner = d.env, d.lease.owner_token
+        if env.idempotency_key:
+            guard, key = IdempotencyGuard(), env.idempotency_key
+            claim = guard.claim(key, owner, self.lease_seconds)
+            if claim is Claim.DONE:
+                return Verdict(Outcome.SKIPPED_IDEMPOTENT, count_run=False)
+            if claim is Claim.BUSY:
+                return self._busy()
+            hold = _KeyHold(guard, key, owner)
+            d.keep_alive.append(lambda: guard.extend(key, owner, self.lease_seconds))
+            d.on_success.append(hold.succeeded)
+            d.release.append(hold.release)
+        if env.options.get("single_instance"):
+            lock = CacheLock(f"django_jobs:single:{env.handler}", owner, self.lease_seconds)
+            if not lock.acquire():
+                return self._busy()
+            d.keep_alive.append(lock.extend)
+            d.release.append(lock.release)
+        return None
+
+    def _busy(self) -> Verdict:
+        """Another delivery holds this job's key or lock: try again later, not counted as a run."""
+        return Verdict(Outcome.REQUEUED, delay=self.busy_delay, count_run=False)
+
+    def _still_held(self, lease: Lease) -> bool:
+        """Is the lease still ours? Proven by a fenced extend when much of it has passed (the
+        guards stalled, or the process was frozen), so a reaped job never starts here."""
+        if self.heartbeat is not None and self.heartbeat.lost(lease):
+            return False
+        if (lease.expires_at - timezone.now()).total_seconds() > self.lease_seconds / 2:
+            return True
+        try:
+            self.backend.extend(lease, self.lease_seconds)
+        except LeaseLost:
+            return False
+        return True
+
+    def _run(self, d: Delivery) -> Verdict:
+        env, queue = d.env, d.lease.queue
+        timeout = env.timeout if env.timeout is not None else conf.get("DEFAULT_TIMEOUT")
+        if env.available_at is not None:
+            self.metrics.observe("jobs_wait_seconds", _since(env.available_at), queue=queue)
+        start = time.monotonic()
+        deadline = start + timeout if timeout else None
+        if deadline is not None and self.heartbeat is not None:
+            self.heartbeat.arm(deadline + HARD_TIMEOUT_GRACE, lambda: self.settle_timed_out(d))
+        try:
+            error = _call(d, JobContext(env, d.attempt, deadline, d.lease), timeout)
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.disarm()
+        seconds = time.monotonic() - start
+        self.metrics.observe("jobs_exec_seconds", seconds, queue=queue)
+        if error is None:
+            return Verdict(Outcome.ACKED, seconds=seconds)
+        return self._failed(d, error, seconds)
+
+    # -- the retry decision --
+
+    def _failed(self, d: Delivery, exc: BaseException, seconds: float) -> Verdict:
+        """A failed run: requeued with backoff while the budget and the policy allow, else failed."""
+        for release in d.release:  # free the key first, so the retry is not held back by it
+            _quietly(release, "release a guard")
+        d.release.clear()
+        self.metrics.increment("jobs_failed", queue=d.lease.queue)
+        env, text = d.env, format_error(exc)
+        if env.attempts < env.max_retries and self.backend.supports_retry and self._may_retry(d, exc):
+            delay = policy_for(env.options).compute_delay(env.attempts + 2)
+            return Verdict(Outcome.REQUEUED, text, delay=delay, seconds=seconds)
+        return Verdict(Outcome.DEAD_LETTERED, text, seconds=seconds)
+
+    def _may_retry(self, d: Delivery, exc: BaseException) -> bool:
+        if isinstance(exc, PERMANENT_ERRORS):
+            return False
+        retry_on = d.env.options.get("retry_on")
+        if retry_on:
+            names = {f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__}
+            if not names.intersection(retry_on):
+                return False
+        can_retry = getattr(d.handler, "can_retry", None)
+        if can_retry is not None:
+            try:
+                return bool(can_retry(d.attempt, exc))
+            except Exception:
+                logger.exception("job %s: can_retry() raised; not retrying", d.env.id)
+                return False
+        return True
+
+    def settle_timed_out(self, d: Delivery) -> None:
+        """Heartbeat thread: the attempt ignored its soft timeout; settle it as a failed run."""
+        exc = JobTimeout(f"attempt exceeded its timeout by {HARD_TIMEOUT_GRACE:g}s and was killed")
+        logger.critical("job %s is stuck past its timeout; settling it as failed", d.env.id)
+        self.settle(d.lease, self._failed(d, exc, seconds=0.0), retries=())
+
+    # -- settling --
+
+    def settle(
+        self,
+        lease: Lease,
+        verdict: Verdict,
+        *,
+        on_success: list[Callable[[], None]] | None = None,
+        retries: tuple[float, ...] = SETTLE_RETRY_PAUSES,
+    ) -> WorkerResult:
+        """Tell the backend, count it, and build the result. ``LeaseLost`` -> ``lease-lost``."""
+        outcome, env, queue = verdict.outcome, lease.envelope, lease.queue
+        if outcome is Outcome.REJECTED or env is None:
+            job_id, attempt = lease.token, None
+        else:
+            job_id, attempt = env.id, env.attempts + int(verdict.count_run)
+        if outcome is not Outcome.LEASE_LOST:
+            try:
+                self._tell_backend(lease, verdict, on_success or (), retries)
+            except LeaseLost:
+                self.metrics.increment("jobs_lease_lost", queue=queue)
+                logger.warning("job %s: lease lost before it could be settled as %s", job_id, outcome)
+                outcome = Outcome.LEASE_LOST
+            else:
+                self._count(lease, verdict)
+        return WorkerResult(
+            outcome, job_id=job_id, attempt=attempt, error=verdict.error, queue=queue,
+            handler=env.handler if env is not None else None, seconds=verdict.seconds,
+        )
+
+    def _tell_backend(
+        self, lease: Lease, verdict: Verdict, on_success: Any, retries: tuple[float, ...]
+    ) -> None:
+        outcome, count_run = verdict.outcome, verdict.count_run
+        if outcome is Outcome.ACKED:
+            for hook in on_success:  # before the ack: if the ack finds the lease lost, the redelivery is skipped
+                _quietly(hook, "mark the idempotency key done")
+            self._retrying(self.ack, retries, lease)
+        elif outcome is Outcome.SKIPPED_IDEMPOTENT:
+            self._retrying(self.backend.ack, retries, lease, count_run=False)
+        elif outcome is Outcome.REQUEUED:
+            self._retrying(self.backend.nack, retries, lease, verdict.delay, error=verdict.error or "", count_run=count_run)
+        else:  # DEAD_LETTERED or REJECTED
+            self._retrying(self.backend.abandon, retries, lease, verdict.error or "", count_run=count_run)
+
+    def _retrying(self, action: Callable[..., None], pauses: tuple[float, ...], *args: Any, **kwargs: Any) -> None:
+        """Settle, retrying a transient backend error a few times within the lease."""
+        for pause in pauses:
+            try:
+                return action(*args, **kwargs)
+            except LeaseLost:
+                raise
+            except Exception:
+                logger.warning("settle failed; retrying in %ss", pause, exc_info=True)
+                self.backend.reset_connection()
+                time.sleep(pause)
+        return action(*args, **kwargs)
+
+    def _count(self, lease: Lease, verdict: Verdict) -> None:
+        queue, outcome, env = lease.queue, verdict.outcome, lease.envelope
+        if outcome is Outcome.ACKED:
+            self.metrics.increment("jobs_succeeded", queue=queue)
+        elif outcome is Outcome.SKIPPED_IDEMPOTENT:
+            self.metrics.increment("jobs_skipped_idempotent", queue=queue)
+        elif outcome is Outcome.REQUEUED and verdict.count_run:
+            self.metrics.increment("jobs_requeued", queue=queue)
+            self.metrics.observe("jobs_retry_delay_seconds", verdict.delay, queue=queue)
+        elif outcome is Outcome.REJECTED:
+            logger.error("message %s on queue %s %s", lease.token, queue, verdict.error)
+            self.metrics.increment(verdict.counter or "jobs_rejected_payload", queue=queue)
+        elif outcome is Outcome.DEAD_LETTERED and env is not None:
+            self.metrics.increment("jobs_failed_permanently", queue=queue)
+            text = verdict.error or ""
+            logger.critical(
+                "job %s (%s) failed permanently after %d run(s): %s",
+                env.id, env.name or env.handler, env.attempts + int(verdict.count_run), text.partition("\n")[0],
+                extra={"job_id": env.id, "last_error": text},
+            )
+
+
+class _KeyHold:
+    """This delivery's hold on its idempotency key: consumed by a success, else released."""
+
+    __slots__ = ("done", "guard", "key", "owner")
+
+    def __init__(self, guard: IdempotencyGuard, key: str, owner: str) -> None:
+        self.guard, self.key, self.owner, self.done = guard, key, owner, False
+
+    def succeeded(self) -> None:
+        self.guard.succeeded(self.key)
+        self.done = True
+
+    def release(self) -> None:
+        if not self.done:
+            self.guard.failed(self.key, self.owner)
+
+
+def _call(d: Delivery, context: JobContext, timeout: float | None) -> BaseException | None:
+    """Run the handler once; return what it raised. Whatever it raises (``SystemExit`` and
+    ``KeyboardInterrupt`` included) is the run's failure, not the worker's end. A forked child
+    of the job that unwinds out of it exits here, so it never becomes a second worker."""
+    try:
+        with time_limit(timeout):
+            d.handler.handle(context)
+    except BaseException as exc:  # noqa: BLE001 - see above
+        _exit_if_forked(d, exc)
+        return exc
+    _exit_if_forked(d, None)
+    return None
+
+
+def _exit_if_forked(d: Delivery, exc: BaseException | None) -> None:
+    if os.getpid() == d.pid:
+        return
+    code = 0 if exc is None else 1
+    if isinstance(exc, SystemExit):
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    for stream in (sys.stdout, sys.stderr):
+        _quietly(stream.flush, "flush")
+    os._exit(code)
+
+
+def _rejection(exc: JobsError, counter: str) -> Verdict:
+    return Verdict(Outcome.REJECTED, f"rejected: {type(exc).__name__}: {exc}", count_run=False, counter=counter)
+
+
+def _quietly(action: Callable[[], Any], what: str) -> None:
+    try:
+        action()
+    except Exception:
+        logger.warning("could not %s", what, exc_info=True)
+
+
+def _since(moment: datetime) -> float:
+    return max((timezone.now() - moment).total_seconds(), 0.0)
