@@ -113,6 +113,12 @@ JOBS = {
     # The command handler runs only allowlisted management commands (tests/test_api.py runs this one).
     "ALLOWED_COMMANDS": ["clearsessions"],
 }
+if os.environ.get("JOBS_TEST_IDEMPOTENCY_REDIS"):
+    # Fault tests: idempotency keys in a Redis of the test's own, which it can freeze.
+    CACHES["idem"] = {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                      "LOCATION": os.environ["JOBS_TEST_IDEMPOTENCY_REDIS"],
+                      "OPTIONS": {"socket_timeout": 60}}  # a freeze, not a failure
+    JOBS["IDEMPOTENCY_CACHE"] = "idem"
 if os.environ.get("JOBS_TEST_LEASE_TIMEOUT"):
     JOBS["LEASE_TIMEOUT"] = float(os.environ["JOBS_TEST_LEASE_TIMEOUT"])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 from django_jobs import job
@@ -19,7 +20,9 @@ def _record(key: str | None, db: str) -> None:
 @job(queue="default")
 def scripted(action: str = "ok", key: str | None = None, db: str = "default", seconds: float = 0,
              fail_times: int = 0) -> str:
-    """ok | raise | flaky (raise until ``fail_times`` runs recorded) | exit | hang | hang_masked | sleep."""
+    """ok | raise | flaky (raise until ``fail_times`` runs recorded) | exit | hang | hang_masked | sleep
+    | fork (a child that unwinds out of the job with sys.exit) | bad_str (an error whose str() raises)
+    | interrupt (KeyboardInterrupt from the job's own code)."""
     _record(key, db)
     if action == "raise":
         raise RuntimeError("scripted failure")
@@ -32,11 +35,25 @@ def scripted(action: str = "ok", key: str | None = None, db: str = "default", se
         time.sleep(seconds)
     if action == "hang":
         time.sleep(3600)
+    if action == "fork":
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)  # the child unwinds out of the job, into whatever called it
+        os.waitpid(child, 0)
+    if action == "bad_str":
+        raise _Unprintable()
+    if action == "interrupt":
+        raise KeyboardInterrupt
     if action == "hang_masked":
         # Like a C call that never returns to the interpreter: no signal can interrupt it.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM})
         time.sleep(3600)
     return action
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ is broken too")
 
 
 @job
