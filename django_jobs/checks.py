@@ -1,72 +1,283 @@
-"""System checks: ``manage.py check`` reports bad JOBS settings before a worker starts."""
+"""System checks: ``manage.py check`` reports bad JOBS settings before a worker starts.
+
+Every key of ``JOBS`` is validated by the rule of :data:`RULES` (its type and range), then the
+settings are checked against each other (backends, queues, handlers, caches). A key whose type is
+wrong is reported once and left out of the later checks, which would only repeat the problem.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterable
+from difflib import get_close_matches
+from importlib import import_module
 from typing import Any
 
+from django.apps import apps
+from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import autodiscover_modules
 
-from . import conf
+from . import conf, signing
 from .retry import STRATEGIES
 
-NON_NEGATIVE = (
-    "RETRY_BACKOFF_BASE", "RETRY_BACKOFF_MULTIPLIER", "RETRY_BACKOFF_MAX", "DEFAULT_MAX_RETRIES",
-    "IDEMPOTENCY_TTL", "POLL_INTERVAL",
-)
+# A rule returns why a value is wrong ("must be ..., not ...") or None when it is fine.
+Rule = Callable[[Any], "str | None"]
+
+BACKEND_KEYS = ("ENGINE", "OPTIONS")
 
 
-def _error(msg: str, id: str, hint: str | None = None) -> checks.CheckMessage:
-    return checks.Error(msg, hint=hint, obj="settings.JOBS", id=f"django_jobs.{id}")
+def _error(msg: str, id: str, hint: str | None = None, obj: Any = "settings.JOBS") -> checks.CheckMessage:
+    return checks.Error(msg, hint=hint, obj=obj, id=f"django_jobs.{id}")
+
+
+def did_you_mean(word: Any, choices: Iterable[str]) -> str | None:
+    """``"did you mean 'X'?"`` for the closest of ``choices`` (case-insensitive), or ``None``."""
+    if not isinstance(word, str):
+        return None
+    by_folded = {choice.casefold(): choice for choice in choices}
+    match = get_close_matches(word.casefold(), list(by_folded), n=1)
+    return f"did you mean {by_folded[match[0]]!r}?" if match else None
+
+
+# -- rules: one per kind of value ---------------------------------------------------------------------
+
+def _number(*, integer: bool = False, positive: bool = False, optional: bool = False) -> Rule:
+    kind = "integer" if integer else "number"
+    wanted = f"a {'positive' if positive else 'non-negative'} {kind}"
+    if optional:
+        wanted = f"None or {wanted}"
+
+    def rule(value: Any) -> str | None:
+        if optional and value is None:
+            return None
+        types = int if integer else (int, float)
+        ok = (
+            isinstance(value, types) and not isinstance(value, bool) and math.isfinite(value)
+            and (value > 0 if positive else value >= 0)
+        )
+        return None if ok else f"must be {wanted}, not {conf.describe(value)}"
+
+    return rule
+
+
+def _boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else f"must be True or False, not {conf.describe(value)}"
+
+
+def _name(value: Any) -> str | None:
+    return None if isinstance(value, str) and value else f"must be a non-empty string, not {conf.describe(value)}"
+
+
+def _optional_name(value: Any) -> str | None:
+    return None if value is None else _name(value)
+
+
+def _names(*, ordered: bool = False) -> Rule:
+    return lambda value: conf.names_problem(value, ordered=ordered)
+
+
+def _dict(value: Any) -> str | None:
+    return None if isinstance(value, dict) else f"must be a dict, not {conf.describe(value)}"
+
+
+def _backends(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return f"must be a dict of backend name -> {{'ENGINE': ..., 'OPTIONS': {{...}}}}, not {conf.describe(value)}"
+    for name, config in value.items():
+        if not isinstance(config, dict):
+            return f"[{name!r}] must be a dict with 'ENGINE' and 'OPTIONS', not {conf.describe(config)}"
+        if "ENGINE" in config and _name(config["ENGINE"]):
+            return f"[{name!r}]['ENGINE'] {_name(config['ENGINE'])}"
+        if config.get("OPTIONS") is not None and not isinstance(config["OPTIONS"], dict):
+            return f"[{name!r}]['OPTIONS'] must be a dict, not {conf.describe(config['OPTIONS'])}"
+    return None
+
+
+def _handlers(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return f"must be a dict of handler key -> dotted path (or None), not {conf.describe(value)}"
+    for key, path in value.items():
+        if _name(key) or _optional_name(path):
+            return f"[{key!r}] must map a non-empty key to a dotted path or None, not {conf.describe(path)}"
+    return None
+
+
+def _queue_handlers(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return f"must be a dict of queue -> list of handler keys, not {conf.describe(value)}"
+    for queue, keys in value.items():
+        problem = conf.names_problem(keys)
+        if problem:
+            return f"[{queue!r}] {problem}"
+    return None
+
+
+def _signing_key(value: Any) -> str | None:
+    return None if value is None else signing.key_problem(value)
+
+
+# Key -> (check id, rule). Every key of conf.DEFAULTS has one: a new setting needs its rule here.
+# E004: numbers. E011: settings that guard what may run (signing keys, allowlists): a wrong type
+# there weakens security. E010: every other wrong type.
+RULES: dict[str, tuple[str, Rule]] = {
+    "DEFAULT_BACKEND": ("E010", _name),
+    "BACKENDS": ("E010", _backends),
+    "QUEUES": ("E010", _names(ordered=True)),
+    "RETRY_BACKOFF_STRATEGY": ("E003", _name),  # then one of STRATEGIES: _strategy
+    "RETRY_BACKOFF_BASE": ("E004", _number()),
+    "RETRY_BACKOFF_MULTIPLIER": ("E004", _number()),
+    "RETRY_BACKOFF_MAX": ("E004", _number()),
+    "RETRY_BACKOFF_JITTER": ("E010", _boolean),
+    "DEFAULT_MAX_RETRIES": ("E004", _number(integer=True)),
+    "DEFAULT_TIMEOUT": ("E004", _number(positive=True, optional=True)),
+    "LEASE_TIMEOUT": ("E004", _number(positive=True)),
+    "DEAD_LETTER_QUEUE": ("E010", _optional_name),
+    "IDEMPOTENCY_TTL": ("E004", _number()),
+    "IDEMPOTENCY_CACHE": ("E010", _name),
+    "SIGNING_KEY": ("E011", _signing_key),
+    "SIGNING_KEY_FALLBACKS": ("E011", signing.keys_problem),
+    "VERIFY_SIGNATURE": ("E011", _boolean),
+    "HANDLERS": ("E010", _handlers),
+    "QUEUE_HANDLERS": ("E011", _queue_handlers),
+    "ALLOWED_SHELL_COMMANDS": ("E011", _names()),
+    "ALLOWED_COMMANDS": ("E011", _names()),
+    "URL_ALLOW_PRIVATE_NETWORKS": ("E011", _boolean),
+    "IMPORTS": ("E010", _names()),
+    "POLL_INTERVAL": ("E004", _number()),
+    "METRICS_COLLECTOR": ("E010", _optional_name),
+    "SCHEDULE": ("E010", _dict),
+    "MAX_MESSAGE_BYTES": ("E004", _number(integer=True, positive=True)),
+}
 
 
 @checks.register(checks.Tags.compatibility)
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    from .backends import backend_config, engine_class
+    user = getattr(settings, "JOBS", None)
+    if user is not None and not isinstance(user, dict):
+        return [_error(f"settings.JOBS must be a dict, not {conf.describe(user)}", "E008")]
+    errors = _unknown_keys(user or {})
+    bad: set[str] = set()
+    for key, (check_id, rule) in RULES.items():
+        problem = rule(conf.get(key))
+        if problem:
+            bad.add(key)
+            errors.append(_error(f"{key} {problem}", check_id))
+    if conf.get("SIGNING_KEY") is None:
+        # The keys are then derived from SECRET_KEY and each of SECRET_KEY_FALLBACKS.
+        problem = signing.keys_problem(getattr(settings, "SECRET_KEY_FALLBACKS", ()))
+        if problem:
+            errors.append(_error(f"SECRET_KEY_FALLBACKS {problem}", "E011", obj="settings.SECRET_KEY_FALLBACKS"))
+    for related in (_backends_and_engines, _strategy, _queues, _cache, _handlers_and_queues):
+        errors += related(bad)
+    return errors
 
-    errors: list[checks.CheckMessage] = []
-    backends = conf.get("BACKENDS") or {}
-    if conf.get("DEFAULT_BACKEND") not in backends:
-        errors.append(_error(f"DEFAULT_BACKEND {conf.get('DEFAULT_BACKEND')!r} is not in BACKENDS", "E001"))
-    for name in backends:
+
+def _unknown_keys(user: dict[Any, Any]) -> list[checks.CheckMessage]:
+    errors = []
+    for key in user:
+        if key not in conf.DEFAULTS:
+            hint = did_you_mean(key, conf.DEFAULTS)
+            if isinstance(key, str) and key.upper() in conf.DEFAULTS and key != key.upper():
+                hint = f"keys are upper case: did you mean {key.upper()!r}?"
+            errors.append(_error(f"unknown key {key!r}; it is ignored", "E009", hint=hint))
+    return errors
+
+
+def _backends_and_engines(bad: set[str]) -> list[checks.CheckMessage]:
+    from .backends import engine_class
+
+    if "BACKENDS" in bad:
+        return []
+    errors = []
+    backends = conf.get("BACKENDS")
+    default = conf.get("DEFAULT_BACKEND")
+    if "DEFAULT_BACKEND" not in bad and default not in backends:
+        errors.append(_error(
+            f"DEFAULT_BACKEND {default!r} is not in BACKENDS", "E001", hint=did_you_mean(default, backends)))
+    for name, config in backends.items():
+        for key in config:
+            if key not in BACKEND_KEYS:
+                hint = did_you_mean(key, BACKEND_KEYS) or "OPTIONS holds the engine's own settings"
+                errors.append(_error(f"BACKENDS[{name!r}] has unknown key {key!r}; it is ignored", "E009", hint=hint))
         try:
-            engine_class(backend_config(name).get("ENGINE", "database"))
+            engine_class(config.get("ENGINE", "database"))
         except ImproperlyConfigured as exc:
             errors.append(_error(f"backend {name!r}: {exc}", "E002"))
         except ImportError as exc:
             errors.append(_error(f"backend {name!r}: cannot import its ENGINE: {exc}", "E002"))
-    if conf.get("RETRY_BACKOFF_STRATEGY") not in STRATEGIES:
-        errors.append(_error(
-            f"unknown RETRY_BACKOFF_STRATEGY {conf.get('RETRY_BACKOFF_STRATEGY')!r}", "E003",
-            hint=f"use one of {', '.join(STRATEGIES)}",
-        ))
-    for key in NON_NEGATIVE:
-        value = conf.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            errors.append(_error(f"{key} must be a non-negative number, not {value!r}", "E004"))
-    lease = conf.get("LEASE_TIMEOUT")
-    if not isinstance(lease, (int, float)) or isinstance(lease, bool) or lease <= 0:
-        errors.append(_error(f"LEASE_TIMEOUT must be a positive number of seconds, not {lease!r}", "E004"))
-    timeout = conf.get("DEFAULT_TIMEOUT")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-        errors.append(_error(f"DEFAULT_TIMEOUT must be None or a positive number, not {timeout!r}", "E004"))
-    from django.conf import settings
+    return errors
 
-    if conf.get("IDEMPOTENCY_CACHE") not in settings.CACHES:
-        errors.append(_error(f"IDEMPOTENCY_CACHE {conf.get('IDEMPOTENCY_CACHE')!r} is not in CACHES", "E007"))
-    if not conf.get("QUEUES"):
-        errors.append(_error("QUEUES must list at least one queue", "E005"))
+
+def _strategy(bad: set[str]) -> list[checks.CheckMessage]:
+    strategy = conf.get("RETRY_BACKOFF_STRATEGY")
+    if "RETRY_BACKOFF_STRATEGY" in bad or strategy in STRATEGIES:
+        return []
+    hint = " ".join(filter(None, [did_you_mean(strategy, STRATEGIES), f"Use one of {', '.join(STRATEGIES)}."]))
+    return [_error(f"unknown RETRY_BACKOFF_STRATEGY {strategy!r}", "E003", hint=hint)]
+
+
+def _queues(bad: set[str]) -> list[checks.CheckMessage]:
+    if "QUEUES" not in bad and not conf.get("QUEUES"):
+        return [_error("QUEUES must list at least one queue", "E005")]
+    return []
+
+
+def _cache(bad: set[str]) -> list[checks.CheckMessage]:
+    alias = conf.get("IDEMPOTENCY_CACHE")
+    if "IDEMPOTENCY_CACHE" in bad or alias in settings.CACHES:
+        return []
+    return [_error(f"IDEMPOTENCY_CACHE {alias!r} is not in CACHES", "E007", hint=did_you_mean(alias, settings.CACHES))]
+
+
+def _handlers_and_queues(bad: set[str]) -> list[checks.CheckMessage]:
     from . import registry
 
-    registry.autodiscover()  # @job handlers register on import
-    known = set(conf.handlers()) | set(registry.registered())
-    for queue, allowed in (conf.get("QUEUE_HANDLERS") or {}).items():
+    errors = _import_job_modules(bad)  # @job handlers register on import
+    known_queues = [] if "QUEUES" in bad else list(conf.get("QUEUES"))  # empty: E005 says it
+
+    def unknown_queue(queue: Any, where: str, obj: Any = "settings.JOBS") -> None:
+        if known_queues and queue not in known_queues:
+            errors.append(_error(
+                f"{where} names queue {queue!r}, which is not in QUEUES", "E012", obj=obj,
+                hint=did_you_mean(queue, known_queues) or f"add it to JOBS['QUEUES'] ({', '.join(known_queues)})",
+            ))
+
+    for key, handler in sorted(registry.registered().items()):
+        defaults = getattr(handler, "defaults", None)
+        if isinstance(defaults, dict) and defaults.get("queue") is not None:
+            unknown_queue(defaults["queue"], "@job(queue=...)", obj=key)
+    if "DEAD_LETTER_QUEUE" not in bad and conf.get("DEAD_LETTER_QUEUE") is not None:
+        unknown_queue(conf.get("DEAD_LETTER_QUEUE"), "DEAD_LETTER_QUEUE")
+    if "QUEUE_HANDLERS" in bad:
+        return errors
+    known = set(registry.registered()) | (set() if "HANDLERS" in bad else set(conf.handlers()))
+    for queue, allowed in conf.get("QUEUE_HANDLERS").items():
+        unknown_queue(queue, "a QUEUE_HANDLERS key")  # its allowlist would guard no real queue
         for key in allowed:
-            if key not in known:
+            if "HANDLERS" not in bad and key not in known:
                 errors.append(_error(
                     f"QUEUE_HANDLERS[{queue!r}] names unknown handler {key!r}", "E006",
-                    hint="add it to JOBS['HANDLERS'] or register it with @job in an app's jobs module",
+                    hint=did_you_mean(key, known)
+                    or "add it to JOBS['HANDLERS'] or register it with @job in an app's jobs module",
                 ))
+    return errors
+
+
+def _import_job_modules(bad: set[str]) -> list[checks.CheckMessage]:
+    """What a worker imports before its first fetch: each app's ``jobs`` module, then IMPORTS."""
+    errors = []
+    try:
+        if apps.ready:
+            autodiscover_modules("jobs")
+    except Exception as exc:  # noqa: BLE001 - whatever a module raises at import is the problem to report
+        errors.append(_error(f"an installed app's jobs module cannot be imported: {type(exc).__name__}: {exc}", "E013"))
+    for module in [] if "IMPORTS" in bad else conf.get("IMPORTS"):
+        try:
+            import_module(module)
+        except Exception as exc:  # noqa: BLE001 - as above
+            errors.append(_error(f"IMPORTS entry {module!r} cannot be imported: {type(exc).__name__}: {exc}", "E013"))
     return errors
 
 
@@ -80,15 +291,18 @@ def check_servicebus_delivery_count(app_configs: Any = None, **kwargs: Any) -> l
     default is 10)."""
     from .backends import ENGINES
 
+    if not isinstance(getattr(settings, "JOBS", None) or {}, dict):
+        return []  # reported by check_settings (E008)
     retries = conf.get("DEFAULT_MAX_RETRIES")
-    if not isinstance(retries, int) or isinstance(retries, bool):
-        return []  # reported by check_settings (E004)
+    backends = conf.get("BACKENDS")
+    if RULES["DEFAULT_MAX_RETRIES"][1](retries) or RULES["BACKENDS"][1](backends):
+        return []  # reported by check_settings (E004, E010)
     warnings: list[checks.CheckMessage] = []
-    for name, config in (conf.get("BACKENDS") or {}).items():
-        engine = (config or {}).get("ENGINE", "database")
+    for name, config in backends.items():
+        engine = config.get("ENGINE", "database")
         if ENGINES.get(engine, engine) != ENGINES["servicebus"]:
             continue
-        count = ((config or {}).get("OPTIONS") or {}).get("MAX_DELIVERY_COUNT", 10)
+        count = (config.get("OPTIONS") or {}).get("MAX_DELIVERY_COUNT", 10)
         if isinstance(count, int) and not isinstance(count, bool) and count > retries + 1:
             continue
         warnings.append(checks.Warning(

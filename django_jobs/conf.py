@@ -5,9 +5,11 @@ Every key missing from ``settings.JOBS`` takes its default independently.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, cast
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
 BUILTIN_HANDLERS: dict[str, str] = {
     "command": "django_jobs.handlers.CommandHandler",
@@ -36,6 +38,8 @@ DEFAULTS: dict[str, Any] = {
     "HANDLERS": {},
     "QUEUE_HANDLERS": {},
     "ALLOWED_SHELL_COMMANDS": [],
+    # Management commands the command handler may run; empty (the default) permits none.
+    "ALLOWED_COMMANDS": [],
     # The url handler refuses loopback/private/link-local targets unless this is True.
     "URL_ALLOW_PRIVATE_NETWORKS": False,
     "IMPORTS": [],
@@ -47,23 +51,72 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+def user_settings() -> dict[str, Any]:
+    """``settings.JOBS`` itself (``{}`` when unset); anything but a dict is ImproperlyConfigured."""
+    user = getattr(settings, "JOBS", None)
+    if user is None:
+        return {}
+    if not isinstance(user, dict):
+        raise ImproperlyConfigured(f"settings.JOBS must be a dict, not a {type(user).__name__}")
+    return user
+
+
 def get(key: str) -> Any:
     """Return ``JOBS[key]`` or its default; read at call time, never cached."""
-    user = getattr(settings, "JOBS", None) or {}
+    user = user_settings()
     if key in user:
         return user[key]
     return DEFAULTS[key]
 
 
+def names_problem(value: Any, *, ordered: bool = False) -> str | None:
+    """Why ``value`` is not a list of non-empty strings, or ``None`` when it is.
+
+    A bare ``str`` is refused above all: iterated, it would be read one character at a time
+    (queue ``d``, a one-character allowlist entry). Sets are accepted unless order matters.
+    """
+    kinds: tuple[type, ...] = (list, tuple) if ordered else (list, tuple, set, frozenset)
+    if not isinstance(value, kinds):
+        return f"must be a list of strings, not {describe(value)}"
+    for item in cast(Iterable[Any], value):
+        if not isinstance(item, str) or not item:
+            return f"must be a list of non-empty strings; it holds {describe(item)}"
+    return None
+
+
+def names(key: str, *, ordered: bool = False) -> list[str]:
+    """``JOBS[key]`` as a list of strings, or ImproperlyConfigured (never characters of a str)."""
+    value = get(key)
+    problem = names_problem(value, ordered=ordered)
+    if problem:
+        raise ImproperlyConfigured(f"JOBS[{key!r}] {problem}")
+    return list(value)
+
+
+def describe(value: Any) -> str:
+    """A short ``repr`` and the type, for error messages (never use it on secrets)."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} (a {type(value).__name__})"
+
+
 def handlers() -> dict[str, str | None]:
     """Built-in handlers merged with ``JOBS["HANDLERS"]`` (a ``None`` value removes one)."""
+    extra = get("HANDLERS") or {}
+    if not isinstance(extra, dict):
+        raise ImproperlyConfigured(f"JOBS['HANDLERS'] must be a dict of handler key -> dotted path, "
+                                   f"not {describe(extra)}")
     merged: dict[str, str | None] = dict(BUILTIN_HANDLERS)
-    merged.update(get("HANDLERS") or {})
+    merged.update(extra)
     return merged
 
 
 def queues() -> list[str]:
-    return list(get("QUEUES") or ["default"])
+    """``JOBS["QUEUES"]`` (``["default"]`` when empty); a str is ImproperlyConfigured, never queue ``d``."""
+    if not get("QUEUES"):
+        return ["default"]
+    return names("QUEUES", ordered=True)
 
 
 def default_queue() -> str:

@@ -19,8 +19,13 @@ from .exceptions import HandlerNotAllowed, InvalidPayload
 
 
 class CommandHandler:
-    """Runs a management command. Payload: ``"name"``, ``["name", "arg", ...]`` or
-    ``{"name": ..., "args": [...], "options": {...}}``."""
+    """Runs an allowlisted management command. Payload: ``"name"``, ``["name", "arg", ...]`` or
+    ``{"name": ..., "args": [...], "options": {...}}``.
+
+    ``JOBS["ALLOWED_COMMANDS"]`` lists the permitted command names, compared exactly; empty (the
+    default) permits nothing, so a job can never run ``flush`` or ``createsuperuser`` unless
+    someone listed it.
+    """
 
     def handle(self, context: Any) -> None:
         payload = context.payload
@@ -33,6 +38,8 @@ class CommandHandler:
             name, args, options = payload["name"], list(payload.get("args", [])), dict(payload.get("options", {}))
         else:
             raise InvalidPayload("command payload must be a name, an argv list or {'name', 'args', 'options'}")
+        if name not in conf.names("ALLOWED_COMMANDS"):  # a str setting is refused, never a substring test
+            raise HandlerNotAllowed(f"management command {name!r} is not in JOBS['ALLOWED_COMMANDS']")
         call_command(name, *args, **options)
 
 
@@ -48,10 +55,10 @@ class ShellHandler:
         argv = shlex.split(payload) if isinstance(payload, str) else payload
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
             raise InvalidPayload("shell payload must be a non-empty argv list of strings")
-        allowed = conf.get("ALLOWED_SHELL_COMMANDS") or ()
-        if argv[0] not in allowed:
+        if argv[0] not in conf.names("ALLOWED_SHELL_COMMANDS"):  # a str setting is refused, never a substring test
             raise HandlerNotAllowed(f"program {argv[0]!r} is not in JOBS['ALLOWED_SHELL_COMMANDS']")
-        done = subprocess.run(argv, shell=False, capture_output=True, text=True, timeout=context.remaining())
+        done = subprocess.run(
+            argv, check=False, shell=False, capture_output=True, text=True, timeout=context.remaining())
         if done.returncode:
             raise RuntimeError(f"{argv[0]} exited {done.returncode}: {done.stderr[-2000:]}")
         return done.stdout

@@ -164,8 +164,12 @@ class Heartbeat:
             except Exception:
                 self._reset_connections()
                 if last_try:
-                    logger.warning("job %s: heartbeat failed; retrying in %gs", lease.token,
-                                   min(self.interval, RETRY_AFTER_FAILURE), exc_info=True)
+                    logger.warning(
+                        "job %s: heartbeat failed; retrying in %gs",
+                        lease.token,
+                        min(self.interval, RETRY_AFTER_FAILURE),
+                        exc_info=True,
+                    )
                     with self._cond:
                         if self._lease is lease:
                             self._next_beat = time.monotonic() + min(self.interval, RETRY_AFTER_FAILURE)
@@ -186,8 +190,10 @@ class Heartbeat:
             settler.start()
             settler.join(SETTLE_BEFORE_KILL)
             if settler.is_alive():
-                logger.error("hard timeout: the backend did not answer in %gs; the reaper will settle the job",
-                             SETTLE_BEFORE_KILL)
+                logger.error(
+                    "hard timeout: the backend did not answer in %gs; the reaper will settle the job",
+                    SETTLE_BEFORE_KILL,
+                )
         if self.on_hard_timeout is not None:
             self.on_hard_timeout()
 

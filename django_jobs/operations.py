@@ -25,11 +25,21 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 def parse_age(text: str) -> timedelta:
-    """``"90"``, ``"15m"``, ``"12h"``, ``"7d"``, ``"2w"`` -> a timedelta."""
+    """``"90"``, ``"15m"``, ``"12h"``, ``"7d"``, ``"2w"`` -> a timedelta.
+
+    Raises ``ValueError`` for text it cannot read and for an age reaching back before year 1
+    (``99999999999d``), which no date arithmetic could use.
+    """
     match = _AGE.match(text)
     if not match:
         raise ValueError(f"cannot read age {text!r}; use e.g. 3600, 15m, 12h, 7d or 2w")
-    return timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+    try:
+        age = timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+        timezone.now() - age  # what a caller computes with it: must stay a valid date
+    except OverflowError:
+        shown = text if len(text) <= 30 else text[:27] + "..."
+        raise ValueError(f"age {shown!r} is too large: it reaches back before year 1") from None
+    return age
 
 
 def job_aliases() -> list[str]:

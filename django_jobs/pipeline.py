@@ -335,13 +335,16 @@ class DeliveryPipeline:
             else:
                 self._count(lease, verdict)
         return WorkerResult(
-            outcome, job_id=job_id, attempt=attempt, error=verdict.error, queue=queue,
-            handler=env.handler if env is not None else None, seconds=verdict.seconds,
+            outcome,
+            job_id=job_id,
+            attempt=attempt,
+            error=verdict.error,
+            queue=queue,
+            handler=env.handler if env is not None else None,
+            seconds=verdict.seconds,
         )
 
-    def _tell_backend(
-        self, lease: Lease, verdict: Verdict, on_success: Any, retries: tuple[float, ...]
-    ) -> None:
+    def _tell_backend(self, lease: Lease, verdict: Verdict, on_success: Any, retries: tuple[float, ...]) -> None:
         outcome, count_run = verdict.outcome, verdict.count_run
         if outcome is Outcome.ACKED:
             for hook in on_success:  # before the ack: if the ack finds the lease lost, the redelivery is skipped
@@ -350,7 +353,9 @@ class DeliveryPipeline:
         elif outcome is Outcome.SKIPPED_IDEMPOTENT:
             self._retrying(self.backend.ack, retries, lease, count_run=False)
         elif outcome is Outcome.REQUEUED:
-            self._retrying(self.backend.nack, retries, lease, verdict.delay, error=verdict.error or "", count_run=count_run)
+            self._retrying(
+                self.backend.nack, retries, lease, verdict.delay, error=verdict.error or "", count_run=count_run
+            )
         else:  # DEAD_LETTERED or REJECTED
             self._retrying(self.backend.abandon, retries, lease, verdict.error or "", count_run=count_run)
 
@@ -384,7 +389,10 @@ class DeliveryPipeline:
             text = verdict.error or ""
             logger.critical(
                 "job %s (%s) failed permanently after %d run(s): %s",
-                env.id, env.name or env.handler, env.attempts + int(verdict.count_run), text.partition("\n")[0],
+                env.id,
+                env.name or env.handler,
+                env.attempts + int(verdict.count_run),
+                text.partition("\n")[0],
                 extra={"job_id": env.id, "last_error": text},
             )
 

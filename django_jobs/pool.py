@@ -88,12 +88,23 @@ class WorkerPool:
                 pass
 
     def run(self) -> int:
-        """Supervise until every process has finished; returns the exit code (0)."""
+        """Supervise until every process has finished. Returns the exit code: 0, or 1 when worker
+        processes kept dying at start-up and the supervisor gave up.
+
+        A death at start-up is a process that exits with status 1 (it raised outside any job:
+        building its worker failed, e.g. a backend that cannot be constructed) within
+        ``startup_seconds`` of its fork. After ``startup_deaths`` of them in a row, replacing it
+        again would only fail again: every process is stopped and 1 returned. Any other death (a
+        job's ``os._exit()``, a signal, a hard timeout, a crash after start-up) resets the count.
+        """
+        startup_deaths, startup_seconds = 5, 2.0
         # Children must not share the parent's sockets.
         connections.close_all()
         backends.reset()
         for slot in range(self.concurrency):
             self._spawn(slot)
+        quick_deaths = 0
+        gave_up = False
         while self.children:
             try:
                 pid, status = os.wait()
@@ -105,12 +116,22 @@ class WorkerPool:
             code = os.waitstatus_to_exitcode(status)
             if self.budget is not None and self.budget.exhausted():
                 continue
+            lived = time.monotonic() - started
+            quick_deaths = quick_deaths + 1 if code == 1 and lived < startup_seconds else 0
+            if quick_deaths >= startup_deaths:
+                logger.error(
+                    "worker process %d (slot %d) died with status %s at start-up, %d times in a row; giving up",
+                    pid, slot, code, quick_deaths,
+                )
+                gave_up = True
+                self._on_signal(signal.SIGTERM, None)  # stop the others; their jobs finish first
+                continue
             logger.error("worker process %d (slot %d) died with status %s; starting a new one", pid, slot, code)
-            if time.monotonic() - started < 1:
+            if lived < 1:
                 time.sleep(1)  # do not spin if it dies at start-up
             if not self.stopping:
                 self._spawn(slot)
-        return 0
+        return 1 if gave_up else 0
 
     def _spawn(self, slot: int) -> None:
         finished = multiprocessing.get_context("fork").Value("b", 0)

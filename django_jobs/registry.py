@@ -12,6 +12,7 @@ from importlib import import_module
 from typing import Any, Protocol
 
 from django.apps import apps
+from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import autodiscover_modules, import_string
 
 from . import conf
@@ -53,7 +54,7 @@ class _FunctionHandler:
 
 def resolve(key: str, queue: str) -> Handler:
     """The handler for ``key`` on ``queue``, or :class:`HandlerNotAllowed`."""
-    allowed = (conf.get("QUEUE_HANDLERS") or {}).get(queue)
+    allowed = queue_allowlist(queue)
     if allowed is not None and key not in allowed:
         raise HandlerNotAllowed(f"handler {key!r} is not allowed on queue {queue!r}")
     found = _registered.get(key)
@@ -74,10 +75,29 @@ def resolve(key: str, queue: str) -> Handler:
     return target if hasattr(target, "handle") else _FunctionHandler(target)
 
 
+def queue_allowlist(queue: str) -> list[str] | None:
+    """``JOBS["QUEUE_HANDLERS"][queue]``, or ``None`` when the queue has no allowlist.
+
+    A malformed setting raises ``ImproperlyConfigured``: a str there would otherwise be a
+    substring test (``"command" in "commands"``), quietly allowing handlers nobody listed.
+    """
+    per_queue = conf.get("QUEUE_HANDLERS") or {}
+    if not isinstance(per_queue, dict):
+        raise ImproperlyConfigured(f"JOBS['QUEUE_HANDLERS'] must be a dict of queue -> handler keys, not a "
+                                   f"{type(per_queue).__name__}")
+    allowed = per_queue.get(queue)
+    if allowed is None:
+        return None
+    problem = conf.names_problem(allowed)
+    if problem:
+        raise ImproperlyConfigured(f"JOBS['QUEUE_HANDLERS'][{queue!r}] {problem}")
+    return list(allowed)
+
+
 def autodiscover() -> None:
     """Import every installed app's ``jobs`` module and ``JOBS["IMPORTS"]``, so ``@job``
     functions are registered before a worker's first fetch (as the admin autodiscovers)."""
     if apps.ready:
         autodiscover_modules("jobs")
-    for module in conf.get("IMPORTS") or ():
+    for module in conf.names("IMPORTS"):
         import_module(module)

@@ -10,6 +10,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
 from . import conf
 from .exceptions import BadSignature, InvalidPayload
@@ -50,30 +51,73 @@ def canonical(fields: dict[str, Any]) -> bytes:
 
 
 @lru_cache(maxsize=8)
-def _derive(secret: str) -> bytes:
+def _derive(secret: str | bytes) -> bytes:
     # Never sign with SECRET_KEY itself: derive a key dedicated to this purpose.
-    return hashlib.sha256(b"django_jobs.signing:" + secret.encode()).digest()
+    return hashlib.sha256(b"django_jobs.signing:" + _as_key(secret)).digest()
 
 
 def _as_key(value: str | bytes) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
 
+def key_problem(value: Any) -> str | None:
+    """Why ``value`` cannot be an HMAC key (never quoting it), or ``None``."""
+    if not isinstance(value, (str, bytes)):
+        return f"must be a str or bytes, not a {type(value).__name__}"
+    if not value:
+        return "must not be empty (anyone can compute an HMAC with an empty key)"
+    return None
+
+
+def keys_problem(value: Any) -> str | None:
+    """Why ``value`` is not a list of usable keys, or ``None``. A bare str or bytes is refused:
+    iterated, it would become one key per character, each trivially guessed."""
+    if isinstance(value, (str, bytes)):
+        return f"must be a list of keys, not a {type(value).__name__} (each character would be a key)"
+    if not isinstance(value, (list, tuple)):
+        return f"must be a list of keys, not a {type(value).__name__}"
+    for index, key in enumerate(value):
+        problem = key_problem(key)
+        if problem:
+            return f"item {index} {problem}"
+    return None
+
+
+def _checked(setting: str, value: Any, problem: str | None) -> Any:
+    if problem:
+        raise ImproperlyConfigured(f"{setting} {problem}")
+    return value
+
+
 def signing_keys() -> tuple[bytes, ...]:
-    """The current key first, then the fallbacks still accepted when verifying."""
+    """The current key first, then the fallbacks still accepted when verifying.
+
+    Raises ``ImproperlyConfigured`` for an empty key, a key that is not str or bytes, or a
+    str where a list of keys is meant: such settings never sign or verify anything.
+    """
+    current = conf.get("SIGNING_KEY")
+    if current is not None:
+        _checked("JOBS['SIGNING_KEY']", current, key_problem(current))
+        secret_fallbacks: tuple[Any, ...] = ()  # not used when SIGNING_KEY is set
+    else:
+        value = getattr(settings, "SECRET_KEY_FALLBACKS", ())
+        secret_fallbacks = tuple(_checked("settings.SECRET_KEY_FALLBACKS", value, keys_problem(value)))
+    fallbacks = conf.get("SIGNING_KEY_FALLBACKS")
     return _keys(
-        conf.get("SIGNING_KEY"),
+        current,
         settings.SECRET_KEY,
-        tuple(getattr(settings, "SECRET_KEY_FALLBACKS", ())),
-        tuple(conf.get("SIGNING_KEY_FALLBACKS") or ()),
+        secret_fallbacks,
+        tuple(_checked("JOBS['SIGNING_KEY_FALLBACKS']", fallbacks, keys_problem(fallbacks))),
     )
 
 
 @lru_cache(maxsize=8)
-def _keys(current: Any, secret: str, secret_fallbacks: tuple[str, ...], fallbacks: tuple[Any, ...]) -> tuple[bytes, ...]:
+def _keys(
+    current: Any, secret: str, secret_fallbacks: tuple[Any, ...], fallbacks: tuple[Any, ...],
+) -> tuple[bytes, ...]:
     # Read on every sign and verify (the worker's hot path); the inputs are the cache key, so a
     # settings change (override_settings, rotation) takes effect at once.
-    if current:
+    if current is not None:
         keys = [_as_key(current)]
     else:
         # Derived from SECRET_KEY, so Django's own rotation (SECRET_KEY_FALLBACKS) carries over.

@@ -6,7 +6,12 @@ import pytest
 from django.core import checks
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
+from django.test import override_settings
 
+from django_jobs import checks as jobs_checks
+from django_jobs import conf, registry
+from django_jobs.api import job
+from django_jobs.checks import check_servicebus_delivery_count, check_settings
 from tests.api_support import jobs_settings
 from tests.backend_params import ALL_DATABASES
 
@@ -14,18 +19,22 @@ from tests.backend_params import ALL_DATABASES
 pytestmark = pytest.mark.django_db
 
 
+def run_jobs_checks() -> list[checks.CheckMessage]:
+    return [*check_settings(), *check_servicebus_delivery_count()]
+
+
 def jobs_errors(**changes) -> list[checks.CheckMessage]:
-    """The django_jobs messages of a full check run under ``JOBS`` = test settings + ``changes``."""
+    """The django_jobs check messages under ``JOBS`` = test settings + ``changes``."""
     with jobs_settings(**changes):
-        messages = checks.run_checks()
-    return [m for m in messages if m.id and m.id.startswith("django_jobs.")]
+        return run_jobs_checks()
 
 
-def only(errors: list[checks.CheckMessage], check_id: str, *fragments: str) -> checks.CheckMessage:
-    """Exactly one message, an Error with this id, naming every fragment."""
+def only(errors: list[checks.CheckMessage], check_id: str, *fragments: str, obj: str = "settings.JOBS",
+         ) -> checks.CheckMessage:
+    """Exactly one message, an Error with this id about ``obj``, naming every fragment."""
     assert [e.id for e in errors] == [check_id], [str(e) for e in errors]
     [error] = errors
-    assert error.level == checks.ERROR and error.obj == "settings.JOBS"
+    assert error.level == checks.ERROR and error.obj == obj
     for fragment in fragments:
         assert fragment in error.msg
     return error
@@ -119,3 +128,191 @@ def test_several_problems_are_all_reported():
 def test_manage_py_check_fails_on_bad_settings():
     with jobs_settings(RETRY_BACKOFF_STRATEGY="fibonacci"), pytest.raises(SystemCheckError, match="fibonacci"):
         call_command("check")
+
+
+# -- the shape of JOBS and its keys --------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [["QUEUES", ["default"]], "QUEUES", 1])
+def test_jobs_must_be_a_dict(value):
+    with override_settings(JOBS=value):
+        only(run_jobs_checks(), "django_jobs.E008", "dict")
+
+
+def test_every_setting_has_a_validation_rule():
+    assert set(jobs_checks.RULES) == set(conf.DEFAULTS)
+    assert "ALLOWED_COMMANDS" in conf.DEFAULTS and conf.DEFAULTS["ALLOWED_COMMANDS"] == []
+
+
+@pytest.mark.parametrize(("key", "suggestion"), [
+    ("RETRY_BACKOF_BASE", "'RETRY_BACKOFF_BASE'"),
+    ("LEASE_TIMOUT", "'LEASE_TIMEOUT'"),
+    ("retry_backoff_base", "'RETRY_BACKOFF_BASE'"),  # lower case: Django settings keys are upper case
+    ("allowed_commands", "'ALLOWED_COMMANDS'"),
+    ("ALLOWED_COMMAND", "'ALLOWED_COMMANDS'"),
+])
+def test_unknown_key_with_a_did_you_mean_hint(key, suggestion):
+    error = only(jobs_errors(**{key: 5}), "django_jobs.E009", repr(key))
+    assert suggestion in error.hint
+
+
+def test_unknown_key_without_a_close_match_still_reported():
+    error = only(jobs_errors(COLOUR="blue"), "django_jobs.E009", "'COLOUR'")
+    assert error.hint is None
+
+
+def test_unknown_key_in_a_backend_definition():
+    backends = {"default": {"ENGIN": "redis", "OPTIONS": {}}}
+    error = only(jobs_errors(BACKENDS=backends), "django_jobs.E009", "'ENGIN'", "'default'")
+    assert "'ENGINE'" in error.hint
+
+
+# Wrong types and ranges for every key of the settings table: (key, bad value, check id).
+# E004 numbers, E011 settings that guard what may run (a wrong type there weakens security),
+# E010 everything else.
+BAD_VALUES = [
+    ("DEFAULT_BACKEND", ["default"], "E010"),
+    ("DEFAULT_BACKEND", "", "E010"),
+    ("BACKENDS", [{"ENGINE": "database"}], "E010"),
+    ("BACKENDS", {"default": "database"}, "E010"),
+    ("BACKENDS", {"default": {"ENGINE": ["database"]}}, "E010"),
+    ("BACKENDS", {"default": {"ENGINE": "database", "OPTIONS": "default"}}, "E010"),
+    ("QUEUES", "default", "E010"),  # would be consumed as queues d, e, f, ...
+    ("QUEUES", ["default", 3], "E010"),
+    ("QUEUES", ["default", ""], "E010"),
+    ("QUEUES", {"default", "other", "emails"}, "E010"),  # a set has no first (default) queue
+    ("RETRY_BACKOFF_STRATEGY", ["exponential"], "E003"),
+    ("RETRY_BACKOFF_BASE", "5", "E004"),
+    ("RETRY_BACKOFF_MULTIPLIER", None, "E004"),
+    ("RETRY_BACKOFF_MAX", float("inf"), "E004"),
+    ("RETRY_BACKOFF_JITTER", "yes", "E010"),
+    ("RETRY_BACKOFF_JITTER", 1, "E010"),
+    ("DEFAULT_MAX_RETRIES", 2.5, "E004"),
+    ("DEFAULT_MAX_RETRIES", True, "E004"),
+    ("DEFAULT_TIMEOUT", True, "E004"),
+    ("DEFAULT_TIMEOUT", float("nan"), "E004"),
+    ("LEASE_TIMEOUT", float("nan"), "E004"),
+    ("LEASE_TIMEOUT", None, "E004"),
+    ("DEAD_LETTER_QUEUE", ["other"], "E010"),
+    ("IDEMPOTENCY_TTL", "1d", "E004"),
+    ("IDEMPOTENCY_CACHE", None, "E010"),
+    ("IDEMPOTENCY_CACHE", ["default"], "E010"),
+    ("HANDLERS", ["tests.api_support.GiveUpHandler"], "E010"),
+    ("HANDLERS", {"giveup": 3}, "E010"),
+    ("IMPORTS", "tests.api_support", "E010"),  # would import t, e, s, ...
+    ("IMPORTS", [None], "E010"),
+    ("POLL_INTERVAL", None, "E004"),
+    ("METRICS_COLLECTOR", 1, "E010"),
+    ("SCHEDULE", [], "E010"),
+    ("MAX_MESSAGE_BYTES", "1MB", "E004"),
+    ("MAX_MESSAGE_BYTES", 0, "E004"),  # every job would be rejected
+    ("MAX_MESSAGE_BYTES", -1, "E004"),
+    ("MAX_MESSAGE_BYTES", 1.5e6, "E004"),
+    ("MAX_MESSAGE_BYTES", True, "E004"),
+    ("SIGNING_KEY", "", "E011"),
+    ("SIGNING_KEY", b"", "E011"),
+    ("SIGNING_KEY", ["a-key"], "E011"),
+    ("SIGNING_KEY", 12345, "E011"),
+    ("SIGNING_KEY_FALLBACKS", "old-key", "E011"),  # one-character keys: anyone could forge
+    ("SIGNING_KEY_FALLBACKS", b"old-key", "E011"),
+    ("SIGNING_KEY_FALLBACKS", [""], "E011"),  # an empty key: anyone could forge
+    ("SIGNING_KEY_FALLBACKS", ["old-key", b""], "E011"),
+    ("SIGNING_KEY_FALLBACKS", ["old-key", None], "E011"),
+    ("SIGNING_KEY_FALLBACKS", None, "E011"),
+    ("VERIFY_SIGNATURE", "False", "E011"),
+    ("VERIFY_SIGNATURE", 0, "E011"),
+    ("QUEUE_HANDLERS", ["command"], "E011"),
+    ("QUEUE_HANDLERS", {"default": "command"}, "E011"),  # a substring test: 'comma' would pass
+    ("QUEUE_HANDLERS", {"default": ["command", 1]}, "E011"),
+    ("ALLOWED_SHELL_COMMANDS", "sh -c", "E011"),  # a substring test: 'sh' would pass
+    ("ALLOWED_SHELL_COMMANDS", [""], "E011"),
+    ("ALLOWED_SHELL_COMMANDS", None, "E011"),
+    ("ALLOWED_COMMANDS", "clearsessions", "E011"),
+    ("ALLOWED_COMMANDS", ["clearsessions", None], "E011"),
+    ("URL_ALLOW_PRIVATE_NETWORKS", "no", "E011"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "check_id"), BAD_VALUES, ids=[f"{k}={v!r}" for k, v, _ in BAD_VALUES])
+def test_wrong_type_or_range_for_every_key(key, value, check_id):
+    only(jobs_errors(**{key: value}), f"django_jobs.{check_id}", key)
+
+
+def test_signing_keys_are_never_quoted_in_messages():
+    error = only(jobs_errors(SIGNING_KEY_FALLBACKS="very-secret-old-key"), "django_jobs.E011")
+    assert "very-secret" not in error.msg
+
+
+def test_good_values_of_every_kind_pass():
+    assert jobs_errors(
+        SIGNING_KEY=b"k" * 32, SIGNING_KEY_FALLBACKS=("old", b"older"), VERIFY_SIGNATURE=False,
+        ALLOWED_SHELL_COMMANDS=("/bin/echo",), ALLOWED_COMMANDS=["clearsessions", "check"],
+        QUEUES=("default", "other", "emails"), QUEUE_HANDLERS={"emails": []},
+        MAX_MESSAGE_BYTES=65535, DEFAULT_TIMEOUT=2.5, DEFAULT_MAX_RETRIES=3, LEASE_TIMEOUT=0.5,
+        SCHEDULE={}, METRICS_COLLECTOR=None, DEAD_LETTER_QUEUE="other", IMPORTS=["tests.api_support"],
+        HANDLERS={"shell": None, "giveup": "tests.api_support.GiveUpHandler"}, URL_ALLOW_PRIVATE_NETWORKS=True,
+        RETRY_BACKOFF_JITTER=False,
+    ) == []
+
+
+def test_secret_key_fallbacks_are_checked_when_keys_derive_from_them():
+    with override_settings(SECRET_KEY_FALLBACKS="old-secret"):
+        only(jobs_errors(), "django_jobs.E011", "SECRET_KEY_FALLBACKS", obj="settings.SECRET_KEY_FALLBACKS")
+        # With a SIGNING_KEY of its own, django-jobs never reads them.
+        assert jobs_errors(SIGNING_KEY="a-real-key") == []
+    with override_settings(SECRET_KEY_FALLBACKS=[""]):
+        assert [e.id for e in jobs_errors()] == ["django_jobs.E011"]
+
+
+def test_a_bad_key_is_reported_once_not_again_by_the_checks_that_use_it():
+    # E001 (default backend), E002 (engines), E006 (handlers), E012 (queues) need a valid value.
+    assert [e.id for e in jobs_errors(BACKENDS=["default"])] == ["django_jobs.E010"]
+    assert [e.id for e in jobs_errors(HANDLERS="x", QUEUE_HANDLERS={"default": ["ghost"]})] == ["django_jobs.E010"]
+
+
+# -- queue names ---------------------------------------------------------------------------------------
+
+def test_job_decorator_naming_an_unknown_queue(monkeypatch):
+    monkeypatch.setattr(registry, "_registered", dict(registry.registered()))  # forgotten after the test
+
+    @job(queue="emials")
+    def notify() -> None: ...
+
+    error = only(jobs_errors(), "django_jobs.E012", "'emials'", "@job", obj=notify.key)
+    assert "'emails'" in error.hint
+
+
+def test_registered_jobs_queues_must_stay_in_queues():
+    # tests.api_support.configured_job is @job(queue="emails").
+    only(jobs_errors(QUEUES=["default", "other"]), "django_jobs.E012", "'emails'",
+         obj="tests.api_support.configured_job")
+
+
+def test_queue_handlers_key_naming_an_unknown_queue():
+    # Its allowlist would guard no real queue: 'default' would accept every handler.
+    error = only(jobs_errors(QUEUE_HANDLERS={"defualt": ["command"]}), "django_jobs.E012", "'defualt'")
+    assert "'default'" in error.hint
+
+
+def test_dead_letter_queue_not_in_queues():
+    only(jobs_errors(DEAD_LETTER_QUEUE="dead"), "django_jobs.E012", "'dead'", "DEAD_LETTER_QUEUE")
+    assert jobs_errors(DEAD_LETTER_QUEUE="other") == []
+
+
+def test_did_you_mean_on_backend_and_cache_names():
+    assert "'default'" in only(jobs_errors(DEFAULT_BACKEND="defualt"), "django_jobs.E001").hint
+    assert "'default'" in only(jobs_errors(IDEMPOTENCY_CACHE="Default"), "django_jobs.E007").hint
+    error = only(jobs_errors(RETRY_BACKOFF_STRATEGY="exponentail"), "django_jobs.E003")
+    assert "'exponential'" in error.hint and "full_jitter" in error.hint
+
+
+# -- modules a worker imports ----------------------------------------------------------------------------
+
+def test_imports_that_cannot_be_imported():
+    only(jobs_errors(IMPORTS=["tests.no_such_module_here"]), "django_jobs.E013", "'tests.no_such_module_here'")
+
+
+def test_manage_py_check_reports_settings_that_weaken_security():
+    with jobs_settings(SIGNING_KEY_FALLBACKS=[""], ALLOWED_SHELL_COMMANDS="sh -c"), \
+            pytest.raises(SystemCheckError, match="SIGNING_KEY_FALLBACKS") as info:
+        call_command("check")
+    assert "ALLOWED_SHELL_COMMANDS" in str(info.value)

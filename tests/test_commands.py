@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 from io import StringIO
+from unittest import mock
 
 import pytest
 from django.conf import settings
@@ -14,6 +15,8 @@ from django.utils import timezone
 
 from django_jobs import Jobs
 from django_jobs.models import Job
+from django_jobs.pool import WorkerPool
+from django_jobs.reaper import Reaper
 from django_jobs.worker import QueueWorker
 from tests.api_support import clean_state, drain, runs  # noqa: F401  (clean_state is a fixture)
 from tests.testapp.jobs import scripted
@@ -88,6 +91,69 @@ def test_purge_reaches_a_database_backend_on_another_alias(postgres_up):
 def test_bad_options_raise_command_error(argv):
     with pytest.raises(CommandError):
         run(*argv)
+
+
+@pytest.fixture
+def nothing_starts():
+    """A worker pool or a reaper loop that starts fails the test at once (instead of forking
+    workers inside pytest, or spinning forever on a zero interval)."""
+    with mock.patch.object(WorkerPool, "install_signal_handlers"), \
+            mock.patch.object(WorkerPool, "run", side_effect=AssertionError("a worker pool started")), \
+            mock.patch.object(Reaper, "run", side_effect=AssertionError("a reaper loop started")):
+        yield
+
+
+@pytest.mark.usefixtures("nothing_starts")
+@pytest.mark.parametrize(("argv", "message"), [
+    (["jobs_work", "--backend", "nope"], "unknown backend 'nope'"),
+    (["jobs_work", "--backend", "nope", "--once"], "unknown backend 'nope'"),
+    (["jobs_work", "--backend", "Redis"], "did you mean 'redis'?"),
+    (["jobs_work", "nope"], "unknown queue(s) nope"),
+    (["jobs_work", "default", "emials"], "did you mean 'emails'?"),
+    (["jobs_work", "--sleep", "0"], "--sleep must be a positive number"),
+    (["jobs_work", "--sleep", "-1"], "--sleep must be a positive number"),
+    (["jobs_work", "--sleep", "nan"], "--sleep must be a positive number"),
+    (["jobs_work", "--max", "-1"], "--max must be at least 1"),
+    (["jobs_work", "--max", "0"], "--max must be at least 1"),
+    (["jobs_work", "--concurrency", "0"], "--concurrency must be at least 1"),
+    (["jobs_work", "--max-time", "0"], "--max-time must be a positive number"),
+    (["jobs_work", "--max-time", "-3"], "--max-time must be a positive number"),
+    (["jobs_reap", "--interval", "0"], "--interval must be a positive number"),
+    (["jobs_reap", "--loop", "--interval", "-5"], "--interval must be a positive number"),
+    (["jobs_reap", "--loop", "--interval", "0"], "--interval must be a positive number"),
+    (["jobs_reap", "--backend", "nope"], "unknown backend 'nope'"),
+    (["jobs_reap", "nope"], "unknown queue(s) nope"),
+    (["jobs_purge", "--status", "completed", "--before", "99999999999d"], "too large"),
+    (["jobs_purge", "--status", "completed", "--before", "9" * 400], "too large"),
+    (["jobs_stats", "--backend", "nope"], "unknown backend 'nope'"),
+])
+def test_bad_values_are_one_line_command_errors(argv, message):
+    with pytest.raises(CommandError) as info:
+        run(*argv)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.usefixtures("nothing_starts")
+def test_a_backend_whose_engine_cannot_be_imported_is_refused_before_starting():
+    backends = {**settings.JOBS["BACKENDS"], "gone": {"ENGINE": "myproject.queues.NoSuchBackend"}}
+    with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends}), \
+            pytest.raises(CommandError, match="backend 'gone'"):
+        run("jobs_work", "--backend", "gone", "--once")
+
+
+@pytest.mark.usefixtures("nothing_starts")
+def test_bad_signing_settings_stop_jobs_work_before_it_starts():
+    with override_settings(JOBS={**settings.JOBS, "SIGNING_KEY_FALLBACKS": "old-key"}), \
+            pytest.raises(CommandError, match="SIGNING_KEY_FALLBACKS"):
+        run("jobs_work", "--once")
+
+
+def test_jobs_work_exits_non_zero_when_its_pool_gives_up():
+    with mock.patch.object(WorkerPool, "install_signal_handlers"), \
+            mock.patch.object(WorkerPool, "run", return_value=1), \
+            pytest.raises(CommandError, match="keep dying at start-up"):
+        run("jobs_work", "--once")
 
 
 # -- jobs_retry ---------------------------------------------------------------------------------------

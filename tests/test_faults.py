@@ -32,10 +32,11 @@ import pytest
 from django.conf import settings
 from django.test import override_settings
 
+from bench.chaos.workers import group_pids
 from django_jobs.models import Job, JobStatus
 from django_jobs.reaper import Reaper
 from django_jobs.worker import QueueWorker
-from tests.procs import processes, wait_until
+from tests.procs import pid_alive, processes, wait_until
 from tests.testapp.jobs import scripted
 from tests.testapp.models import SideEffect
 
@@ -153,10 +154,13 @@ def test_heartbeat_keeps_a_redis_lease_through_a_redis_restart(private_redis, po
 
     key = unique("redis-long")
     env = private_redis.env(LEASE)
-    jobs = {**settings.JOBS, "BACKENDS": {
-        **settings.JOBS["BACKENDS"],
-        "redis": {"ENGINE": "redis", "OPTIONS": {"URL": private_redis.url, "PREFIX": settings.REDIS_PREFIX}},
-    }}
+    jobs = {
+        **settings.JOBS,
+        "BACKENDS": {
+            **settings.JOBS["BACKENDS"],
+            "redis": {"ENGINE": "redis", "OPTIONS": {"URL": private_redis.url, "PREFIX": settings.REDIS_PREFIX}},
+        },
+    }
     with override_settings(JOBS=jobs), processes() as procs:
         backend = get_backend("redis")
         job_id = scripted.using(backend="redis").dispatch(action="sleep", seconds=4 * LEASE, key=key, db=PG)
@@ -196,7 +200,7 @@ def test_a_hard_timeout_during_a_database_outage_still_kills_the_attempt(private
         pg.start()
 
         # The stuck process was killed and replaced, though the settle could not reach the database.
-        wait_until(lambda: not _alive(killed_pid), 30, f"the stuck worker process {killed_pid} to be killed")
+        wait_until(lambda: not pid_alive(killed_pid), 30, f"the stuck worker process {killed_pid} to be killed")
         status, attempts, error = settled(pg, first, timeout=60)  # reaped: its settle was impossible
         assert (status, attempts) == (JobStatus.FAILED, 1), error
 
@@ -211,12 +215,6 @@ def test_a_hard_timeout_during_a_database_outage_still_kills_the_attempt(private
 def _side_effect_pid(pg: Any, key: str) -> int:
     with pg.connect() as conn:
         return conn.execute("SELECT pid FROM testapp_sideeffect WHERE key = %s", [key]).fetchone()[0]
-
-
-def _alive(pid: int) -> bool:
-    from tests.procs import pid_alive
-
-    return pid_alive(pid)
 
 
 # -- 3. a forking job -------------------------------------------------------------------------------
@@ -243,24 +241,9 @@ def test_a_forked_child_that_unwinds_out_of_a_job_exits_and_never_becomes_a_work
             assert _side_effect_pid(pg, key) == worker_pid
 
         assert worker.stop() == 0, worker.output()
-        leftovers = [pid for pid in _group_members(worker.pid)]
+        leftovers = group_pids(worker.pid)
         assert leftovers == [], f"processes of the worker's group survived its stop: {leftovers}"
         assert len(worker.job_lines()) == 1 + len(bystanders), worker.output()
-
-
-def _group_members(pgid: int) -> list[int]:
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            members.append(int(entry))
-    return members
 
 
 # -- 4. errors in the worker's own code settle the job at once ------------------------------------
@@ -288,8 +271,9 @@ def test_a_job_error_the_worker_cannot_describe_or_an_interrupt_is_a_failed_run(
 def test_an_idempotency_cache_that_fails_is_a_recorded_failed_run_not_a_silent_loop(postgres_up):
     broken = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": "redis://127.0.0.1:1/0"}
     key = unique("cache-down")
-    with override_settings(CACHES={**settings.CACHES, "broken": broken},
-                           JOBS={**settings.JOBS, "IDEMPOTENCY_CACHE": "broken"}):
+    with override_settings(
+        CACHES={**settings.CACHES, "broken": broken}, JOBS={**settings.JOBS, "IDEMPOTENCY_CACHE": "broken"}
+    ):
         job_id = scripted.using(backend="pg", idempotency_key=key).dispatch(action="ok", key=key, db=PG)
         result = QueueWorker("pg").process_once()
 
@@ -343,8 +327,14 @@ def test_a_handler_never_starts_on_a_lease_that_was_reaped_during_a_stall(privat
     """No heartbeat runs here (process_once outside run()), the cache freezes past the lease,
     the reaper fails the job (max_retries=0): when the cache answers, the job must not run."""
     key = unique("reaped-in-stall")
-    caches = {**settings.CACHES, "idem": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
-                                          "LOCATION": private_redis.url, "OPTIONS": {"socket_timeout": 60}}}
+    caches = {
+        **settings.CACHES,
+        "idem": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": private_redis.url,
+            "OPTIONS": {"socket_timeout": 60},
+        },
+    }
     with override_settings(CACHES=caches, JOBS={**settings.JOBS, "IDEMPOTENCY_CACHE": "idem", "LEASE_TIMEOUT": 1}):
         job_id = scripted.using(backend="pg", idempotency_key=key).dispatch(action="ok", key=key, db=PG)
         worker = QueueWorker("pg")

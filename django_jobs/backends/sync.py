@@ -24,6 +24,7 @@ class SyncBackend(QueueBackend):
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
         self.last_results: list[Any] = []
+        self._pipeline: Any = None
 
     def enqueue(self, envelope: Envelope) -> str:
         from ..pipeline import DeliveryPipeline  # the pipeline imports the backends package
@@ -32,7 +33,9 @@ class SyncBackend(QueueBackend):
             token=envelope.id, owner_token=secrets.token_hex(8), expires_at=timezone.now(),
             queue=envelope.queue, envelope=envelope,
         )
-        result = DeliveryPipeline(self).process(lease)
+        if self._pipeline is None:  # built once: it autodiscovers the @job modules
+            self._pipeline = DeliveryPipeline(self)
+        result = self._pipeline.process(lease)
         self.last_results = [*self.last_results[-99:], result]
         return envelope.id
 

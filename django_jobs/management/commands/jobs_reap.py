@@ -7,6 +7,8 @@ from django.core.management.base import BaseCommand, CommandParser
 
 from django_jobs.reaper import Reaper
 
+from . import _validate
+
 
 class Command(BaseCommand):
     help = "Recover the leases of crashed or stalled workers (each counts as a failed run)."
@@ -18,7 +20,8 @@ class Command(BaseCommand):
         parser.add_argument("--interval", type=float, default=30.0, help="seconds between passes with --loop")
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        reaper = Reaper(opts["backend"], opts["queues"])
+        _validate.positive_seconds("--interval", opts["interval"])
+        reaper = Reaper(_validate.backend(opts["backend"]), _validate.queues(opts["queues"]))
         if not opts["loop"]:
             self.stdout.write(f"reaped {reaper.reap_once()} expired lease(s)")
             return

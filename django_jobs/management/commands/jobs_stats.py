@@ -7,6 +7,8 @@ from django.core.management.base import BaseCommand, CommandParser
 
 from django_jobs import operations
 
+from . import _validate
+
 COLUMNS = ("backend", "queue", "pending", "delayed", "in_progress", "failed")
 
 
@@ -18,7 +20,8 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true")
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        rows = operations.stats(opts["backend"])
+        names = [_validate.backend(name) for name in opts["backend"]] if opts["backend"] else None
+        rows = operations.stats(names)
         if opts["json"]:
             self.stdout.write(json.dumps(rows, indent=2))
             return

@@ -2,11 +2,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_jobs import conf, registry
+from django_jobs import registry, signing
 from django_jobs.pool import WorkerPool
 from django_jobs.worker import QueueWorker, WorkerResult
+
+from . import _validate
 
 
 class Command(BaseCommand):
@@ -22,25 +25,33 @@ class Command(BaseCommand):
         parser.add_argument("--sleep", type=float, help="seconds to wait after an empty fetch (default POLL_INTERVAL)")
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        queues = opts["queues"] or [conf.default_queue()]
-        unknown = [q for q in queues if q not in conf.queues()]
-        if unknown:
-            raise CommandError(f"unknown queue(s) {', '.join(unknown)}: add them to JOBS['QUEUES']")
-        if opts["concurrency"] < 1:
-            raise CommandError("--concurrency must be at least 1")
-        registry.autodiscover()  # before forking, so every process has the @job registrations
+        # Bad arguments and settings are refused here, in one line, before any process is forked.
+        backend = _validate.backend(opts["backend"])
+        queues = _validate.queues(opts["queues"] or _validate.known_queues()[:1])
+        _validate.at_least_one("--concurrency", opts["concurrency"])
+        _validate.at_least_one("--max", opts["max_jobs"])
+        _validate.positive_seconds("--max-time", opts["max_time"])
+        _validate.positive_seconds("--sleep", opts["sleep"])
+        try:
+            signing.signing_keys()
+            registry.autodiscover()  # before forking, so every process has the @job registrations
+        except ImproperlyConfigured as exc:
+            raise CommandError(_validate.one_line(exc)) from exc
         pool = WorkerPool(
-            lambda: QueueWorker(opts["backend"], queues),
+            lambda: QueueWorker(backend, queues),
             opts["concurrency"], max_jobs=1 if opts["once"] else opts["max_jobs"], max_time=opts["max_time"],
             once=opts["once"], sleep=opts["sleep"], on_result=self.report,
         )
         pool.install_signal_handlers()
         self.stdout.write(
-            f"django-jobs worker started: backend={opts['backend'] or conf.get('DEFAULT_BACKEND')} "
+            f"django-jobs worker started: backend={backend} "
             f"queues={','.join(queues)} concurrency={opts['concurrency']}"
         )
         self.stdout.flush()
-        pool.run()
+        if pool.run():
+            raise CommandError(
+                "worker processes keep dying at start-up (see the errors logged above); giving up"
+            )
 
     def report(self, result: WorkerResult) -> None:
         error = f"  {result.error.splitlines()[0]}" if result.error else ""

@@ -1,0 +1,72 @@
+"""Argument checks shared by the commands: every bad value is a one-line ``CommandError``.
+
+(The leading underscore keeps Django from listing this module as a command.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import CommandError
+
+from django_jobs import conf
+from django_jobs.checks import did_you_mean
+
+
+def one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def backend(name: str | None) -> str:
+    """The backend ``name`` (``DEFAULT_BACKEND`` when ``None``), if it is configured and its
+    ENGINE imports; checked before anything starts, so a typo never reaches a worker process."""
+    from django_jobs.backends import backend_config, engine_class
+
+    name = name or conf.get("DEFAULT_BACKEND")
+    backends = conf.get("BACKENDS")
+    if not isinstance(backends, dict) or name not in backends:
+        known = ", ".join(map(str, backends)) if isinstance(backends, dict) else "none"
+        hint = did_you_mean(name, backends) if isinstance(backends, dict) else None
+        raise CommandError(f"unknown backend {name!r}{f' ({hint})' if hint else ''}: JOBS['BACKENDS'] has {known}")
+    try:
+        engine_class(backend_config(name).get("ENGINE", "database"))
+    except (ImproperlyConfigured, ImportError) as exc:
+        raise CommandError(one_line(f"backend {name!r}: {exc}")) from exc
+    return name
+
+
+def known_queues() -> list[str]:
+    try:
+        return conf.queues()
+    except ImproperlyConfigured as exc:
+        raise CommandError(one_line(exc)) from exc
+
+
+def queues(names: list[str]) -> list[str]:
+    """``names``, refused (CommandError) if one is not in ``QUEUES``."""
+    known = known_queues()
+    unknown = [q for q in names if q not in known]
+    if unknown:
+        hints = [f"{q!r}: {hint}" for q in unknown if (hint := did_you_mean(q, known))]
+        raise CommandError(
+            f"unknown queue(s) {', '.join(unknown)}: add them to JOBS['QUEUES']"
+            + (f" ({'; '.join(hints)})" if hints else "")
+        )
+    return names
+
+
+def at_least_one(option: str, value: Any) -> None:
+    """``--max``, ``--concurrency``: None (not given) or an integer >= 1."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise CommandError(f"{option} must be at least 1, not {value!r}")
+
+
+def positive_seconds(option: str, value: Any) -> None:
+    """``--sleep``, ``--interval``, ``--max-time``: None (not given) or a finite number > 0.
+    Zero or a negative value would make a loop spin without waiting."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise CommandError(f"{option} must be a positive number of seconds, not {value!r}")
