@@ -3,27 +3,32 @@
 and a soak, against real ``jobs_work`` processes on one backend. Prints JSON on stdout.
 
     python bench/chaos.py --backend postgres|redis|beanstalk \\
-        --scenario crash|poison|tamper|shutdown|soak|all[,...] [--jobs N] [--seconds S] [--short]
+        --scenario crash|poison|tamper|shutdown|soak|dbrestart|all[,...] [--jobs N] [--seconds S] [--short]
 
 What it sets up (and tears down):
-- a dedicated PostgreSQL database (``--db-name``, default ``chaos_jobs``), created fresh and
-  dropped at the end; it holds the jobs of the postgres backend, the failed-job rows of the
-  other backends, and the side-effect tables every run writes to (bench/chaos/jobs.py);
+- a PRIVATE PostgreSQL server (initdb into a temp dir, ``postgres`` on a free loopback port, as
+  the ``postgres`` OS user when run as root) with a database ``--db-name`` (default
+  ``chaos_jobs``); it holds the jobs of the postgres backend, the failed-job rows of the other
+  backends, and the side-effect tables every run writes to (bench/chaos/jobs.py). ``--pg-external``
+  uses the server of ``--pg-host/--pg-port/--pg-user`` instead (a fresh database, dropped at the
+  end) and never restarts it;
 - redis: a PRIVATE ``redis-server --appendonly yes --appendfsync everysec`` on a free loopback
   port, in a temp dir; beanstalk: a PRIVATE ``beanstalkd -b <tmpdir>`` on a free port;
 - worker processes: ``python -m django jobs_work default other --backend chaos`` with
   DJANGO_SETTINGS_MODULE=bench.chaos.settings, each in its own process group.
 
-The postgres crash scenario restarts the SHARED PostgreSQL server twice
-(``pg_ctlcluster --skip-systemctl-redirect <version> main restart -m immediate``);
-``--short`` and ``--no-db-restart`` skip that (kills and stops still happen). Progress goes to
-stderr. Exit status: 0 when every scenario ran (whatever its figures), 1 on an error.
+Server restarts (crash: the backend's server twice; dbrestart: the database, and on redis the
+redis-server) only ever touch these private servers: a crash restart is SIGKILL of the server's
+processes, a 1 s outage and a start that replays the WAL / AOF / binlog. ``--no-db-restart``
+skips the crash scenario's PostgreSQL restarts. Progress goes to stderr. Exit status: 0 when
+every scenario ran (whatever its figures), 1 on an error.
 Figures and their meaning: docs/reliability.md, "Chaos battery".
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -42,14 +47,16 @@ REPO = HERE.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(REPO))
 
-ORDER = ("crash", "poison", "tamper", "shutdown", "soak")
+ORDER = ("crash", "poison", "tamper", "shutdown", "soak", "dbrestart")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", required=True, choices=("postgres", "redis", "beanstalk"))
     parser.add_argument(
-        "--scenario", default="all", help="crash, poison, tamper, shutdown, soak, all, or a comma-separated list"
+        "--scenario",
+        default="all",
+        help="crash, poison, tamper, shutdown, soak, dbrestart, all, or a comma-separated list",
     )
     parser.add_argument(
         "--jobs",
@@ -57,11 +64,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="jobs per scenario (crash 5000, poison 1000, tamper 10000 good + as many bad; --short: 300)",
     )
     parser.add_argument("--seconds", type=float, help="soak duration (default 600; --short: 30)")
-    parser.add_argument("--short", action="store_true", help="small sizes, no shared-PostgreSQL restart")
+    parser.add_argument("--short", action="store_true", help="small sizes (crash 300 jobs, soak 30 s, ...)")
     parser.add_argument("--job-ms", type=float, help="sleep of a healthy job in ms (default 5; crash --short: 50)")
     parser.add_argument("--lease", type=float, default=2.0, help="LEASE_TIMEOUT in seconds (default 2)")
     parser.add_argument("--seed", type=int, default=None, help="random seed (targets of kills and stops)")
-    parser.add_argument("--no-db-restart", action="store_true", help="postgres: do not restart the server")
+    parser.add_argument(
+        "--no-db-restart", action="store_true", help="crash on postgres: do not restart the (private) server"
+    )
+    parser.add_argument(
+        "--pg-external",
+        action="store_true",
+        help="use the PostgreSQL server of --pg-host/--pg-port/--pg-user, never restarted, instead of a private one",
+    )
+    parser.add_argument("--outage", type=float, default=1.0, help="seconds a restarted server stays down (default 1)")
     parser.add_argument(
         "--timeout",
         type=float,
@@ -72,6 +87,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pg-host", default=os.environ.get("CHAOS_PG_HOST", "127.0.0.1"))
     parser.add_argument("--pg-port", default=os.environ.get("CHAOS_PG_PORT", "5432"))
     parser.add_argument("--pg-user", default=os.environ.get("CHAOS_PG_USER", "postgres"))
+    parser.add_argument(
+        "--code",
+        metavar="REV",
+        help="run django_jobs as committed at REV (git archive into a temp dir, with this bench/), "
+        "or 'worktree': a frozen copy of the working tree's django_jobs/ (edits during the run take no part)",
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON to this file")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (worker logs) and the database")
     args = parser.parse_args(argv)
@@ -85,17 +106,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.code:
+        return _run_from_snapshot(args.code, list(sys.argv[1:] if argv is None else argv))
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
     workdir = Path(tempfile.mkdtemp(prefix=f"chaos-{args.backend}-"))
-    from bench.chaos.servers import Postgres, PrivateBeanstalkd, PrivateRedis
+    from bench.chaos.servers import Postgres, PrivateBeanstalkd, PrivatePostgres, PrivateRedis
 
-    pg = Postgres(args.db_name, args.pg_host, args.pg_port, args.pg_user, os.environ.get("CHAOS_PG_PASSWORD", ""))
+    database: PrivatePostgres | None = None
+    if args.pg_external:
+        pg = Postgres(args.db_name, args.pg_host, args.pg_port, args.pg_user, os.environ.get("CHAOS_PG_PASSWORD", ""))
+    else:
+        database = PrivatePostgres()
+        pg = Postgres(args.db_name, database.host, str(database.port), database.user)
     env = {
         "CHAOS_BACKEND": args.backend,
         "CHAOS_PG_NAME": args.db_name,
-        "CHAOS_PG_HOST": args.pg_host,
-        "CHAOS_PG_PORT": str(args.pg_port),
-        "CHAOS_PG_USER": args.pg_user,
+        "CHAOS_PG_HOST": pg.host,
+        "CHAOS_PG_PORT": str(pg.port),
+        "CHAOS_PG_USER": pg.user,
         "CHAOS_LEASE_TIMEOUT": str(args.lease),
         "CHAOS_PREFIX": f"chaos{os.getpid()}",
         "DJANGO_SETTINGS_MODULE": "bench.chaos.settings",
@@ -116,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     code = 0
     try:
+        if database is not None:
+            database.start()
+            report["postgres_server"] = f"private (initdb in {database.directory}, port {database.port})"
+        else:
+            report["postgres_server"] = f"external {pg.host}:{pg.port} (never restarted)"
         if args.backend == "redis":
             server = PrivateRedis(workdir)
             server.start()
@@ -148,20 +181,22 @@ def main(argv: list[str] | None = None) -> int:
         import random
 
         report["django"] = django.get_version()
-        report["django_jobs_commit"] = _version(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+        report["django_jobs_commit"] = _code_version()
         ctx = Context(
             kind=args.backend,
             short=args.short,
             workdir=workdir,
             env=worker_env,
             probe=Probe(args.backend, server),
-            server=server if server is not None else pg,
+            server=server if server is not None else database,
+            database=database,
+            outage=args.outage,
             lease=args.lease,
             seed=seed,
             jobs=args.jobs,
             seconds=args.seconds,
             job_ms=args.job_ms,
-            restart_database=not (args.short or args.no_db_restart),
+            restart_database=database is not None and not args.no_db_restart,
             timeout=args.timeout,
             rng=random.Random(seed),
         )
@@ -190,17 +225,79 @@ def main(argv: list[str] | None = None) -> int:
             pass
         if server is not None:
             server.kill()
-        if not args.keep:
+        if database is not None:
+            # Only the private server this run started; --keep leaves its data dir behind.
+            database.kill()
+            if not args.keep:
+                database.cleanup()
+        elif not args.keep:
             try:
                 pg.drop()
             except Exception as exc:  # noqa: BLE001
                 report["errors"]["drop_database"] = repr(exc)
+        if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     text = json.dumps(report, indent=2, default=str)
     print(text)
     if args.out:
         args.out.write_text(text)
     return code
+
+
+def _run_from_snapshot(rev: str, argv: list[str]) -> int:
+    """Run this script again from a temp dir holding ``git archive REV django_jobs`` and a copy of
+    the working tree's bench/: the driver and its workers import that django_jobs (their cwd
+    comes first on sys.path), so uncommitted edits in the working tree take no part."""
+    worktree = rev == "worktree"
+    commit = _version(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD" if worktree else rev])
+    if not commit:
+        print(f"--code: unknown revision {rev!r}", file=sys.stderr)
+        return 2
+    dest = Path(tempfile.mkdtemp(prefix=f"chaos-code-{commit}-"))
+    try:
+        if worktree:
+            # A frozen copy of the working tree's django_jobs/: edits made during the run take no part.
+            shutil.copytree(REPO / "django_jobs", dest / "django_jobs", ignore=shutil.ignore_patterns("__pycache__"))
+            diff = subprocess.run(
+                ["git", "-C", str(REPO), "diff", "HEAD", "--", "django_jobs"], check=True, capture_output=True
+            ).stdout
+            digest = hashlib.sha1(diff).hexdigest()[:10]  # a label, not security
+            label = f"{commit}+worktree (uncommitted django_jobs diff sha1 {digest}, {len(diff)} bytes)"
+        else:
+            archive = subprocess.run(
+                ["git", "-C", str(REPO), "archive", "--format=tar", commit, "django_jobs"],
+                check=True,
+                capture_output=True,
+            )
+            subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+            label = f"{commit} (git archive)"
+        shutil.copytree(HERE, dest / "bench", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "peers"))
+        (dest / ".chaos-commit").write_text(f"{label}; bench/ from the working tree\n")
+        rest, skip = [], False
+        for arg in argv:
+            if skip:
+                skip = False
+                continue
+            if arg == "--code":
+                skip = True
+                continue
+            if arg.startswith("--code="):
+                continue
+            rest.append(arg)
+        return subprocess.run([sys.executable, str(dest / "bench" / "chaos.py"), *rest], check=False).returncode
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+
+
+def _code_version() -> str | None:
+    """The commit of the code that ran: ``git rev-parse`` (plus ``+dirty`` when django_jobs/ has
+    uncommitted changes), or the ``.chaos-commit`` file of a snapshot made with ``git archive``."""
+    commit = _version(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+    if commit:
+        dirty = _version(["git", "-C", str(REPO), "status", "--porcelain", "--", "django_jobs"])
+        return commit + ("+dirty" if dirty else "")
+    marker = REPO / ".chaos-commit"
+    return marker.read_text().strip() if marker.exists() else None
 
 
 def _version(argv: list[str]) -> str | None:

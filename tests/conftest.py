@@ -165,7 +165,8 @@ from tests.fake_servicebus import servicebus_fake  # noqa: E402,F401
 @pytest.fixture(scope="module")
 def private_postgres(tmp_path_factory):
     """A PostgreSQL server of this module's own (initdb on a free loopback port, see
-    tests/servers.py) with the test database ``test_django_jobs`` created and migrated. Restart,
+    tests/servers.py) with this session's test database (``.dbname``, the name worker
+    subprocesses use) created and migrated. Restart,
     kill or disconnect it freely: the shared server is never touched. ``.env(**extra)`` points
     worker subprocesses at it; ``.connect()`` opens an autocommit connection to its database."""
     from tests.servers import PostgresForTests, PrivatePostgres, postgres_bindir

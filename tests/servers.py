@@ -31,12 +31,18 @@ __all__ = [
     "postgres_bindir",
 ]
 
-# The database worker subprocesses use (tests/settings.py: PG_TEST with JOBS_TEST_SUBPROCESS=1).
-TEST_DATABASE = "test_django_jobs"
+
+def session_test_database() -> str:
+    """The test database worker subprocesses use: tests/settings.py's PG_TEST, named per pytest
+    session (``JOBS_TEST_PG_TEST_NAME``, which the subprocesses inherit)."""
+    from django.conf import settings
+
+    return settings.DATABASES["postgres"]["TEST"]["NAME"]
 
 
 class PostgresForTests:
-    """A started PrivatePostgres holding a migrated ``test_django_jobs`` database.
+    """A started PrivatePostgres holding a migrated test database (this session's
+    ``test_django_jobs_<pid>``, the name worker subprocesses use).
 
     ``env(**extra)`` is ``tests.procs.worker_env`` pointed at it (JOBS_TEST_PG_HOST/PORT), for
     ``jobs_work`` and ``manage.py`` subprocesses; ``connect()`` is an autocommit psycopg
@@ -44,9 +50,9 @@ class PostgresForTests:
     ``port``, ...) is the server's.
     """
 
-    def __init__(self, server: PrivatePostgres, dbname: str = TEST_DATABASE) -> None:
+    def __init__(self, server: PrivatePostgres, dbname: str | None = None) -> None:
         self.server = server
-        self.dbname = dbname
+        self.dbname = dbname or session_test_database()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.server, name)

@@ -1,15 +1,19 @@
 """The chaos battery's short version (``bench/chaos.py --short``) against PostgreSQL and Redis.
 
-``bench/chaos.py`` runs real ``jobs_work`` processes against a database it creates for itself
-(``chaos_ci_<pid>_<backend>``, dropped at the end) and, for Redis, a PRIVATE ``redis-server`` it
-starts on a free port (never the shared one). Two scenarios, ~300 jobs each:
+``bench/chaos.py`` runs real ``jobs_work`` processes against a PRIVATE PostgreSQL server it
+initdb's and starts on a free loopback port (its own temp dir, never the shared server) and, for
+Redis, a PRIVATE ``redis-server`` on a free port. Two scenarios, ~300 jobs each:
 
 - crash: three workers drain 300 jobs while the script SIGKILLs one every few seconds (and
-  restarts it), SIGSTOPs another past its 2 s lease (then SIGCONTs it), and, on Redis, kills
-  and restarts the server twice. In ``--short`` mode the shared PostgreSQL server is NOT
-  restarted: the other test files of this pytest process use it.
+  restarts it), SIGSTOPs another past its 2 s lease (then SIGCONTs it), and crash-restarts the
+  backend's server twice (the private PostgreSQL, or the private redis-server). The shared
+  servers the other test files use are never touched.
 - tamper: 300 bad messages (garbage, wrong signing key, replayed onto another queue, oversize)
   interleaved with 300 good ones, written straight into the table / the Redis keys.
+- dbrestart (PostgreSQL): the private server is crash-restarted while three 6 s jobs (three
+  times the 2 s lease) run, and again while the workers are idle: every job must run exactly
+  once and end with its record (completed, or failed with its own error), none reaped while it
+  ran.
 
 Only outcomes are asserted (nothing lost, nothing bad executed, no worker crash, chaos did
 happen); the figures (duplicates, latencies, throughput) vary with the machine and are printed.
@@ -25,21 +29,17 @@ import sys
 from typing import Any
 
 import pytest
-from django.conf import settings
 
 from tests.conftest import require_service
 from tests.procs import REPO_ROOT
+from tests.servers import postgres_bindir
 
 SCRIPT = REPO_ROOT / "bench" / "chaos.py"
 
 
-def run_chaos(backend: str, tmp_path: Any) -> tuple[dict[str, Any], str]:
-    db = settings.DATABASES["postgres"]
+def run_chaos(backend: str, tmp_path: Any, scenarios: str = "crash,tamper") -> tuple[dict[str, Any], str]:
     out = tmp_path / f"chaos-{backend}.json"
-    # One database per session and backend: concurrent sessions on one server never collide.
-    name = f"chaos_ci_{os.getpid()}_{backend}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JOBS_TEST_", "CHAOS_"))}
-    env["CHAOS_PG_PASSWORD"] = db.get("PASSWORD") or ""
     proc = subprocess.run(
         [
             sys.executable,
@@ -47,16 +47,8 @@ def run_chaos(backend: str, tmp_path: Any) -> tuple[dict[str, Any], str]:
             "--backend",
             backend,
             "--scenario",
-            "crash,tamper",
+            scenarios,
             "--short",
-            "--db-name",
-            name,
-            "--pg-host",
-            db["HOST"],
-            "--pg-port",
-            str(db["PORT"]),
-            "--pg-user",
-            db["USER"],
             "--out",
             str(out),
         ],
@@ -71,6 +63,7 @@ def run_chaos(backend: str, tmp_path: Any) -> tuple[dict[str, Any], str]:
     assert out.exists(), f"bench/chaos.py wrote no report\n{log}"
     report = json.loads(out.read_text())
     assert proc.returncode == 0 and not report["errors"], f"{report['errors']}\n{log}"
+    assert report["postgres_server"].startswith("private"), report["postgres_server"]
     return report, log
 
 
@@ -110,20 +103,48 @@ def check(report: dict[str, Any], log: str, *, broker_restarts: int) -> str:
     )
 
 
+def check_dbrestart(report: dict[str, Any], log: str) -> str:
+    result = report["scenarios"]["dbrestart"]
+    lines = []
+    for name, phase in result["phases"].items():
+        details = json.dumps(
+            {k: phase[k] for k in ("restart", "worker_log", "log_lines", "job_detail", "unexpected_exits")}, indent=1
+        )
+        # Every job has its final record: completed with its side effect, or failed with its row.
+        assert phase["lost"] == 0, f"{name}: {phase['lost']} job(s) lost\n{details}\n{log}"
+        assert phase["failed_rows_missing"] == 0, f"{name}: failures without their row\n{details}"
+        # The heartbeat kept every lease through the outage: no long job was reaped while it ran.
+        assert phase["duplicate_runs"] == 0, f"{name}: {phase['duplicates_by_cause']}\n{details}"
+        assert phase["completed_work_recorded_failed"] == 0, f"{name}: completed work recorded failed\n{details}"
+        assert phase["fail_late_recorded_with_another_error"] == 0, f"{name}: failures blamed on a lost worker"
+        assert phase["ran_exactly_once"] == phase["jobs"], f"{name}: not every job ran exactly once\n{details}"
+        assert phase["worker_crashes"] == 0, f"{name}: worker crashes\n{details}"
+        assert set(phase["exit_codes_on_sigterm"].values()) == {0} and phase["leases_left"] == 0, phase
+        lines.append(f"{name}: {phase['ran_exactly_once']}/{phase['jobs']} ran once")
+    return f"[chaos --short {report['backend']} dbrestart] " + "; ".join(lines)
+
+
+def require_private_servers(*binaries: str) -> None:
+    require_service("PostgreSQL binaries (initdb)", postgres_bindir() is not None, "set PG_BINDIR")
+    for binary in binaries:
+        require_service(binary, shutil.which(binary) is not None, f"{binary} is not on PATH")
+
+
 @pytest.mark.slow
-@pytest.mark.postgres
-def test_chaos_short_on_postgres(postgres_up, tmp_path, capsys):
-    report, log = run_chaos("postgres", tmp_path)
-    assert report["scenarios"]["crash"]["broker_restarts_enabled"] is False, "--short must not restart PostgreSQL"
-    summary = check(report, log, broker_restarts=0)
+def test_chaos_short_on_postgres(tmp_path, capsys):
+    require_private_servers()
+    report, log = run_chaos("postgres", tmp_path, "crash,tamper,dbrestart")
+    # The private PostgreSQL server is crash-restarted twice (SIGKILL, 1 s down, WAL replay).
+    assert report["scenarios"]["crash"]["broker_restarts_enabled"] is True
+    summary = check(report, log, broker_restarts=2)
+    summary += "\n" + check_dbrestart(report, log)
     with capsys.disabled():
         print("\n" + summary)
 
 
 @pytest.mark.slow
-@pytest.mark.postgres
-def test_chaos_short_on_redis(postgres_up, redis_up, tmp_path, capsys):
-    require_service("redis-server", shutil.which("redis-server") is not None, "redis-server is not on PATH")
+def test_chaos_short_on_redis(tmp_path, capsys):
+    require_private_servers("redis-server")
     report, log = run_chaos("redis", tmp_path)
     # The private redis-server is killed and restarted from its AOF twice.
     summary = check(report, log, broker_restarts=2)

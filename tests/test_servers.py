@@ -35,7 +35,7 @@ def test_private_postgres_is_migrated_for_worker_subprocesses(private_postgres):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == [str(private_postgres.port), "test_django_jobs"]
+    assert proc.stdout.split() == [str(private_postgres.port), private_postgres.dbname]
 
 
 def test_private_postgres_crash_restart(private_postgres):

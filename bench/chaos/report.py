@@ -148,6 +148,58 @@ def rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                 (f"**{k['final_backlog']}** (at end of production: {k['backlog_at_end_of_production']})"),
             ),
         ]
+    if "dbrestart" in s:
+        r = s["dbrestart"]
+        out.append(
+            (
+                "dbrestart: jobs per phase (length) / lease / outage",
+                f"{r['jobs_per_phase'] - r.get('warmup_jobs_per_phase', 0)} ({r['job_s']:g} s)"
+                + (f" + {r['warmup_jobs_per_phase']} warm-up (1 s)" if r.get("warmup_jobs_per_phase") else "")
+                + f" / {r['lease_timeout']:g} s / {r['outage_s']:g} s",
+            )
+        )
+        for name, ph in r["phases"].items():
+            causes = ", ".join(f"{k} {v}" for k, v in sorted(ph["duplicates_by_cause"].items())) or "none"
+            log = ph["worker_log"]
+            out += [
+                (f"dbrestart {name}: **jobs lost**", f"**{ph['lost']}** of {ph['jobs']}"),
+                (f"dbrestart {name}: duplicate runs (cause)", f"{ph['duplicate_runs']} ({causes})"),
+                (
+                    f"dbrestart {name}: **completed work recorded failed**",
+                    f"**{ph['completed_work_recorded_failed']}**",
+                ),
+                (
+                    f"dbrestart {name}: **failures without their failed row** (kept by the broker)",
+                    f"**{ph.get('failed_rows_missing', '-')}**"
+                    + (
+                        f" ({ph['failures_kept_by_the_broker']} kept)"
+                        if ph.get("failures_kept_by_the_broker") is not None
+                        else ""
+                    ),
+                ),
+                (
+                    f"dbrestart {name}: healthy jobs failed; failures blamed on a lost worker",
+                    f"{ph.get('ok_jobs_failed', '-')}; {ph.get('fail_late_recorded_with_another_error', '-')}",
+                ),
+                (f"dbrestart {name}: jobs that ran exactly once", f"{ph['ran_exactly_once']}/{ph['jobs']}"),
+                (
+                    f"dbrestart {name}: leases reaped; heartbeat failures; stale settles (`lease-lost`)",
+                    f"{log['leases_reaped']}; {log['heartbeat_failed_lines']}; {log['lease_lost_settles']}",
+                ),
+                (
+                    f"dbrestart {name}: outage; first run after it",
+                    f"{ph['restart']['until'] - ph['restart']['at']:.1f} s; "
+                    + (
+                        f"{ph['first_run_after_restart_s']:.1f} s"
+                        if ph["first_run_after_restart_s"] is not None
+                        else "none"
+                    ),
+                ),
+                (
+                    f"dbrestart {name}: worker crashes; leases left; exit codes on SIGTERM",
+                    f"{ph['worker_crashes']}; {ph['leases_left']}; {sorted(set(ph['exit_codes_on_sigterm'].values()))}",
+                ),
+            ]
     out.append(("seconds per scenario", ", ".join(f"{k} {v:g}" for k, v in secs.items())))
     return out
 
@@ -164,7 +216,8 @@ def tables(reports: list[dict[str, Any]]) -> str:
         out.append("")
         for i, r in enumerate(mine, 1):
             out.append(
-                f"{i}. `{r['command']}` ({r['started_utc']}, load average {r['machine']['loadavg_before'][0]:.1f}"
+                f"{i}. `{r['command']}` (django_jobs {r.get('django_jobs_commit')}, {r['started_utc']}, "
+                f"load average {r['machine']['loadavg_before'][0]:.1f}"
                 f" before, {r['machine']['loadavg_after'][0]:.1f} after)"
                 + (f"; errors: {', '.join(r['errors'])}" if r.get("errors") else "")
             )

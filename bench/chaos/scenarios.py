@@ -1,4 +1,4 @@
-"""The five scenarios of the chaos battery. Each returns a JSON-able dict of figures.
+"""The six scenarios of the chaos battery. Each returns a JSON-able dict of figures.
 
 Times are ``time.time()`` (the workers stamp their runs with the same clock); figures given
 relative to a run's start are in seconds.
@@ -41,7 +41,7 @@ class Context:
     workdir: Path
     env: dict[str, str]
     probe: Probe
-    server: Any  # PrivateRedis | PrivateBeanstalkd | Postgres (restartable)
+    server: Any  # the backend's server: PrivatePostgres | PrivateRedis | PrivateBeanstalkd (restartable)
     lease: float
     seed: int
     jobs: int | None = None
@@ -50,6 +50,8 @@ class Context:
     restart_database: bool = True
     timeout: float = 900
     rng: random.Random = field(default_factory=random.Random)
+    database: Any = None  # the PrivatePostgres holding the chaos database (None with --pg-external)
+    outage: float = 1.0  # seconds a restarted server stays down
 
     def fleet(self, name: str, size: int = 3) -> Fleet:
         return Fleet(self.workdir / name, self.env, size=size)
@@ -272,7 +274,7 @@ def _drain(ctx: Context, n: int, ms: float, *, chaos: bool, restart: bool = Fals
                 milestones.pop(0)
                 log(f"crash: restarting the {ctx.kind} server at {done}/{n} done")
                 pids = [p for inc in fleet.live() for p in group_pids(inc.pid)]
-                down, up = ctx.server.restart()
+                down, up = ctx.server.restart(ctx.outage)
                 events.append(Event("restart", down, up, pids))
                 log(f"crash: {ctx.kind} back after {up - down:.1f}s")
                 ctx.probe.backend.close()
@@ -911,4 +913,13 @@ def _soak_sample(ctx: Context, fleet: Fleet, t: float) -> dict[str, Any]:
     return {"t": round(t, 1), "rss_kb": rss, "pg_connections": pg_connections(), "backlog": ctx.probe.backlog()}
 
 
-SCENARIOS = {"crash": crash, "poison": poison, "tamper": tamper, "shutdown": shutdown, "soak": soak}
+from .dbrestart import dbrestart  # it uses the helpers above: imported last
+
+SCENARIOS = {
+    "crash": crash,
+    "poison": poison,
+    "tamper": tamper,
+    "shutdown": shutdown,
+    "soak": soak,
+    "dbrestart": dbrestart,
+}

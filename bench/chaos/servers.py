@@ -53,7 +53,8 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) 
 
 
 class Postgres:
-    """The dedicated database on the (shared) server: created fresh, dropped at the end."""
+    """A dedicated database on a server: created fresh, dropped at the end. It never restarts
+    the server (with ``--pg-external`` that is a shared one)."""
 
     def __init__(self, name: str, host: str, port: str, user: str, password: str = "") -> None:
         self.name, self.host, self.port, self.user, self.password = name, host, port, user, password
@@ -82,20 +83,6 @@ class Postgres:
 
     def ready(self) -> bool:
         return subprocess.run(["pg_isready", "-q", "-h", self.host, "-p", str(self.port)], check=False).returncode == 0
-
-    def restart(self) -> tuple[float, float]:
-        """``pg_ctlcluster ... restart -m immediate`` of the SHARED server (a crash and recovery),
-        then wait for pg_isready. Returns (down, up) as time.time() values."""
-        versions = sorted(os.listdir("/etc/postgresql"))
-        down = time.time()
-        subprocess.run(
-            ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", "restart", "-m", "immediate"],
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        wait_for(self.ready, 120, "pg_isready after the restart", interval=0.1)
-        return down, time.time()
 
 
 class PrivatePostgres:
@@ -439,10 +426,12 @@ class PrivateRedis:
             os.kill(self.popen.pid, signal.SIGKILL)
             self.popen.wait(10)
 
-    def restart(self) -> tuple[float, float]:
+    def restart(self, outage: float = 1.0) -> tuple[float, float]:
+        """SIGKILL, ``outage`` seconds down (an outage, not just a reconnect), a start that
+        replays the AOF. Returns (down, up) as time.time() values."""
         down = time.time()
         self.kill()
-        time.sleep(1.0)  # an outage, not just a reconnect
+        time.sleep(outage)
         self.start()
         return down, time.time()
 
@@ -503,10 +492,11 @@ class PrivateBeanstalkd:
             os.kill(self.popen.pid, signal.SIGKILL)
             self.popen.wait(10)
 
-    def restart(self) -> tuple[float, float]:
+    def restart(self, outage: float = 1.0) -> tuple[float, float]:
+        """SIGKILL, ``outage`` seconds down, a start that replays the binlog."""
         down = time.time()
         self.kill()
-        time.sleep(1.0)
+        time.sleep(outage)
         self.start()
         return down, time.time()
 
