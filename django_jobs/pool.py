@@ -25,6 +25,11 @@ from .worker import QueueWorker, WorkerResult
 logger = logging.getLogger("django_jobs.worker")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 PR_SET_PDEATHSIG = 1
+# A worker process's state, shared with the supervisor: it tells a death at start-up (before its
+# worker was built) from a death while it ran jobs, and a clean finish from both.
+STARTING, RUNNING, FINISHED = 0, 1, 2
+# Deaths at start-up in a row after which the supervisor gives up.
+STARTUP_DEATHS = 5
 
 
 class SharedBudget:
@@ -91,13 +96,11 @@ class WorkerPool:
         """Supervise until every process has finished. Returns the exit code: 0, or 1 when worker
         processes kept dying at start-up and the supervisor gave up.
 
-        A death at start-up is a process that exits with status 1 (it raised outside any job:
-        building its worker failed, e.g. a backend that cannot be constructed) within
-        ``startup_seconds`` of its fork. After ``startup_deaths`` of them in a row, replacing it
-        again would only fail again: every process is stopped and 1 returned. Any other death (a
-        job's ``os._exit()``, a signal, a hard timeout, a crash after start-up) resets the count.
+        A death at start-up is a process that died before its worker was built (e.g. a backend
+        that cannot be constructed). After ``STARTUP_DEATHS`` of them in a row, replacing it again
+        would only fail again: every process is stopped and 1 returned. Any other death (a job's
+        ``os._exit()``, a signal, a hard timeout, a crash after start-up) resets the count.
         """
-        startup_deaths, startup_seconds = 5, 2.0
         # Children must not share the parent's sockets.
         connections.close_all()
         backends.reset()
@@ -110,15 +113,15 @@ class WorkerPool:
                 pid, status = os.wait()
             except ChildProcessError:
                 break
-            slot, finished, started = self.children.pop(pid)
-            if finished.value or self.stopping:
+            slot, state, started = self.children.pop(pid)
+            if state.value == FINISHED or self.stopping:
                 continue
             code = os.waitstatus_to_exitcode(status)
             if self.budget is not None and self.budget.exhausted():
                 continue
             lived = time.monotonic() - started
-            quick_deaths = quick_deaths + 1 if code == 1 and lived < startup_seconds else 0
-            if quick_deaths >= startup_deaths:
+            quick_deaths = quick_deaths + 1 if state.value == STARTING else 0
+            if quick_deaths >= STARTUP_DEATHS:
                 logger.error(
                     "worker process %d (slot %d) died with status %s at start-up, %d times in a row; giving up",
                     pid, slot, code, quick_deaths,
@@ -134,12 +137,12 @@ class WorkerPool:
         return 1 if gave_up else 0
 
     def _spawn(self, slot: int) -> None:
-        finished = multiprocessing.get_context("fork").Value("b", 0)
+        state = multiprocessing.get_context("fork").Value("b", STARTING)
         parent = os.getpid()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         pid = os.fork()
         if pid:
-            self.children[pid] = (slot, finished, time.monotonic())
+            self.children[pid] = (slot, state, time.monotonic())
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             return
         code = 1
@@ -147,13 +150,14 @@ class WorkerPool:
             self.children = {}
             _die_with_parent(parent)
             self._worker = worker = self.make_worker()
+            state.value = RUNNING
             worker.exit_on_hard_timeout = True
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             if self.stopping:
                 worker.stop()
             worker.run(budget=self.budget, **self.run_options)
             worker.backend.close()  # hands back anything still held for us (a reserved-ahead job)
-            finished.value = 1
+            state.value = FINISHED
             code = 0
         except BaseException:
             logger.exception("worker process crashed")
