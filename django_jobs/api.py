@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
@@ -15,6 +16,7 @@ from .backends import get_backend
 from .backends.base import QueueBackend
 from .envelope import Envelope, dumps_payload, new_id
 from .exceptions import InvalidPayload, UnknownQueue
+from .retry import MAX_DELAY_SECONDS, RetryPolicy, check_delay
 
 # A JSON-escaped U+0000: "\u0000" after an even number of backslashes.
 _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
@@ -58,17 +60,22 @@ class JobBuilder:
         return self._set(timeout=seconds)
 
     def delay(self, seconds: float | timedelta) -> JobBuilder:
-        """Run no sooner than ``seconds`` from dispatch."""
+        """Run no sooner than ``seconds`` from dispatch (at most ``MAX_DELAY_SECONDS``, one year)."""
+        _delay_seconds(seconds)  # refused now, not at dispatch
         return self._set(delay=seconds)
 
     def scheduled_at(self, when: datetime) -> JobBuilder:
-        """Run no sooner than ``when`` (an aware datetime)."""
+        """Run no sooner than ``when`` (an aware datetime, at most a year ahead)."""
+        if not isinstance(when, datetime):
+            raise TypeError(f"scheduled_at needs an aware datetime, not {type(when).__name__}")
         if timezone.is_naive(when):
             raise ValueError("scheduled_at needs an aware datetime")
+        _check_schedule(when, timezone.now())
         return self._set(scheduled_at=when)
 
     def idempotency_key(self, key: str) -> JobBuilder:
         """Once a run with this key succeeds, later deliveries with it are skipped."""
+        _check_idempotency_key(key)
         return self._set(idempotency_key=key)
 
     def named(self, name: str) -> JobBuilder:
@@ -76,11 +83,15 @@ class JobBuilder:
 
     def backoff(self, **policy: Any) -> JobBuilder:
         """This job's own retry policy: ``strategy``, ``base``, ``multiplier``, ``max``, ``jitter``."""
-        from .retry import RetryPolicy
-
         unknown = set(policy) - {"strategy", "base", "multiplier", "max", "jitter"}
         if unknown:
             raise TypeError(f"unknown backoff option(s): {', '.join(sorted(unknown))}")
+        for name in ("base", "max"):
+            if name in policy:
+                check_delay(policy[name], f"backoff {name}")
+        multiplier = policy.get("multiplier")
+        if isinstance(multiplier, float) and not math.isfinite(multiplier):
+            raise ValueError(f"backoff multiplier must be a finite number, not {multiplier!r}")
         RetryPolicy.from_settings(**policy)  # validate now, not in the worker
         return self._set(backoff=policy)
 
@@ -117,6 +128,7 @@ class JobBuilder:
         queue = opts.get("queue") or conf.default_queue()
         if queue not in conf.queues():
             raise UnknownQueue(f"queue {queue!r} is not in JOBS['QUEUES'] ({', '.join(conf.queues())})")
+        _check_idempotency_key(opts.get("idempotency_key"))
         text = dumps_payload(self._payload)
         if _ESCAPED_NUL.search(text):
             raise InvalidPayload("payload contains U+0000, which PostgreSQL cannot store; encode binary data")
@@ -155,15 +167,44 @@ class JobBuilder:
 
 
 def _available_at(opts: dict[str, Any]) -> datetime | None:
+    now = timezone.now()
     if opts.get("scheduled_at") is not None:
-        return opts["scheduled_at"]
+        # Checked again here: a builder may be dispatched long after scheduled_at() was called.
+        return _check_schedule(opts["scheduled_at"], now)
     delay = opts.get("delay")
     if delay is None:
         return None
-    seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
-    if seconds < 0:
-        raise ValueError("delay must not be negative")
-    return timezone.now() + timedelta(seconds=seconds)
+    return now + timedelta(seconds=_delay_seconds(delay))
+
+
+def _delay_seconds(delay: Any) -> float:
+    """A ``delay`` option in seconds: finite, not negative, at most ``MAX_DELAY_SECONDS``."""
+    return check_delay(delay.total_seconds() if isinstance(delay, timedelta) else delay, "delay")
+
+
+def _check_schedule(when: datetime, now: datetime) -> datetime:
+    """``scheduled_at`` may lie in the past (the job is due at once), but not more than
+    ``MAX_DELAY_SECONDS`` ahead."""
+    if when - now > timedelta(seconds=MAX_DELAY_SECONDS):
+        raise ValueError(
+            f"scheduled_at {when.isoformat()} is too far ahead: at most {MAX_DELAY_SECONDS} seconds (365 days)"
+        )
+    return when
+
+
+# The Job table's column holds this many characters; longer keys are refused at dispatch.
+IDEMPOTENCY_KEY_MAX_LENGTH = 255
+
+
+def _check_idempotency_key(key: Any) -> None:
+    if key is None:
+        return
+    if not isinstance(key, str):
+        raise TypeError(f"idempotency_key must be a str, not {type(key).__name__}")
+    if len(key) > IDEMPOTENCY_KEY_MAX_LENGTH:
+        raise ValueError(f"idempotency_key of {len(key)} characters is too long: at most {IDEMPOTENCY_KEY_MAX_LENGTH}")
+    if "\x00" in key:
+        raise ValueError("idempotency_key contains U+0000, which PostgreSQL cannot store")
 
 
 class Jobs:

@@ -1,16 +1,23 @@
 """Failed-job records for backends whose own storage is not the ``Job`` table.
 
-SPEC 7: every permanent failure, whatever the backend, also shows in the admin as a failed
-``Job`` row, from which "retry" re-dispatches it to the backend it came from.
+Every permanent failure, whatever the backend, also shows in the admin as a failed ``Job``
+row, from which "retry" re-dispatches it to the backend it came from.
+
+A message that fails verification (a forgery, or a signed message replayed onto another
+backend) never changes an existing row: it is kept under a new id of its own, with the id it
+claimed in ``last_error``, and the admin's retry refuses it (its signature does not verify).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from django.utils import timezone
 
-from .envelope import Envelope
+from . import signing
+from .envelope import Envelope, new_id
+from .exceptions import BadSignature, InvalidPayload
 from .models import Job, JobStatus
 
 logger = logging.getLogger("django_jobs.audit")
@@ -20,16 +27,53 @@ def record_failure(envelope: Envelope, error: str, backend: str, attempts: int) 
     """Keep a failed ``Job`` copy of ``envelope``. Never raises: the backend already settled it."""
     now = timezone.now()
     try:
-        Job.objects.update_or_create(
-            id=envelope.id,
-            defaults={
-                "queue": envelope.queue, "handler": envelope.handler, "payload": envelope.payload,
-                "options": envelope.options, "signature": envelope.signature, "name": envelope.name,
-                "status": JobStatus.FAILED, "attempts": attempts, "max_retries": envelope.max_retries,
-                "priority": envelope.priority, "timeout": envelope.timeout,
-                "idempotency_key": envelope.idempotency_key, "last_error": error, "finished_at": now,
-                "updated_at": now, "backend": backend, "owner_token": None, "leased_until": None,
-            },
+        fields: dict[str, Any] = {
+            "queue": envelope.queue, "handler": envelope.handler, "payload": envelope.payload,
+            "options": envelope.options, "signature": envelope.signature, "name": envelope.name,
+            "status": JobStatus.FAILED, "attempts": attempts, "max_retries": envelope.max_retries,
+            "priority": envelope.priority, "timeout": envelope.timeout,
+            "idempotency_key": envelope.idempotency_key, "last_error": error, "finished_at": now,
+            "updated_at": now, "backend": backend, "owner_token": None, "leased_until": None,
+        }
+        reason = _untrusted(envelope, backend)
+        if reason is None:
+            Job.objects.update_or_create(id=envelope.id, defaults=fields)
+            return
+        # Its own record: the fields are the message's as received, for audit, and the id it
+        # claimed is only quoted. The signature was made (if at all) over another id, so this
+        # row never verifies, and the admin's retry refuses it.
+        fields["last_error"] = (
+            f"{error}\n\nNot the record of job {envelope.id!r}: {reason}. This is the message as "
+            f"received, kept under a new id for audit; it cannot be retried."
         )
+        Job.objects.create(id=new_id(), created_at=now, **_fitted(fields))
+        logger.warning("an unverified message claiming job id %r (%s) was recorded as a new failed row: %s",
+                       envelope.id, backend, reason)
     except Exception:
-        logger.exception("could not record the failure of job %s (%s) for the admin", envelope.id, backend)
+        logger.exception("could not record the failure of job %r (%s) for the admin", envelope.id, backend)
+
+
+def _fitted(fields: dict[str, Any]) -> dict[str, Any]:
+    """Text fields cut to their columns' lengths, so an oversized forgery is still recorded."""
+    fitted = dict(fields)
+    for name, value in fields.items():
+        limit = getattr(Job._meta.get_field(name), "max_length", None)
+        if isinstance(value, str) and limit and len(value) > limit:
+            fitted[name] = value[:limit]
+    return fitted
+
+
+def _untrusted(envelope: Envelope, backend: str) -> str | None:
+    """Why ``envelope`` may not write the row of the id it names, or ``None`` when it may.
+
+    It may when its signature verifies and that row, if any, is this backend's own record: a
+    database backend's job is never overwritten by a copy of it that turned up in a broker.
+    """
+    try:
+        signing.verify_delivery(envelope, envelope.queue)
+    except (BadSignature, InvalidPayload) as exc:
+        return f"the message failed verification ({type(exc).__name__})"
+    owner = Job.objects.filter(pk=envelope.id).values_list("backend", flat=True).first()
+    if owner is not None and owner != backend:
+        return f"a job with that id already belongs to backend {owner!r}"
+    return None

@@ -13,10 +13,11 @@ from django.db import router
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from . import conf
+from . import conf, signing
 from .backends import get_backend
 from .backends.database import DatabaseBackend
 from .envelope import Envelope
+from .exceptions import BadSignature, InvalidPayload
 from .models import Job, JobStatus
 
 logger = logging.getLogger("django_jobs.operations")
@@ -104,11 +105,18 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
 
     A database-backend row is reset in place; an audit copy of a job that failed on another
     backend is re-dispatched to that backend and the copy removed (a new failure re-records it).
-    A job whose backend is no longer configured stays failed and is reported in ``errors``.
+    A job whose backend is no longer configured stays failed and is reported in ``errors``, and
+    so does a row whose signature does not verify (a forged or tampered message kept for audit):
+    a retry never re-signs or re-sends what no key holder dispatched.
     """
     now = timezone.now()
     outcome = RetryOutcome()
     for row in jobs.filter(status=JobStatus.FAILED):
+        try:
+            signing.verify_delivery(envelope_of(row), row.queue)
+        except (BadSignature, InvalidPayload) as exc:
+            outcome.errors.append(f"job {row.pk} was not retried: its signature does not verify ({exc})")
+            continue
         try:
             backend = get_backend(row.backend)
         except ImproperlyConfigured as exc:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 from django.core.cache import caches
+from django.core.cache.backends.locmem import LocMemCache
 from django.test import override_settings
 
 from django_jobs import Jobs
-from django_jobs.idempotency import IdempotencyGuard
+from django_jobs.idempotency import CacheRefused, IdempotencyGuard
+from django_jobs.locks import CacheLock, cache_key
 from django_jobs.worker import QueueWorker
 from tests.api_support import (
     RecordingLocMemCache,
@@ -164,3 +166,78 @@ def test_idempotency_key_with_the_sync_backend(django_capture_on_commit_callback
     assert runs("sync-idem") == 1
     assert [r.status for r in Jobs.backend("sync").last_results[-2:]] == [
         "acked", "skipped-idempotent"]
+
+
+# -- keys every cache backend accepts --
+
+
+@pytest.mark.parametrize("key", ["order-1", "close-month-2026-06", "a" * 100, "x:y/z#1"])
+def test_a_short_printable_ascii_key_is_stored_as_it_is(key):
+    # Unchanged across the upgrade that started hashing long keys: existing markers stay valid.
+    assert IdempotencyGuard().cache_key(key) == IdempotencyGuard.prefix + key
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["a" * 101, "x" * 255, "with space", "tab\there", "new\nline", "nul\x00", "del\x7f", "clé", "🔑",
+     "sha256:" + "0" * 64],
+)
+def test_a_long_or_unsafe_key_is_stored_as_its_digest(key):
+    full = IdempotencyGuard().cache_key(key)
+    assert full.startswith(IdempotencyGuard.prefix + "sha256:")
+    assert len(full) == len(IdempotencyGuard.prefix) + 7 + 64
+    assert full.isascii() and " " not in full
+    assert full != IdempotencyGuard().cache_key(key + "!")
+
+
+def test_a_long_key_works_end_to_end():
+    key = "k" * 250
+    guard = IdempotencyGuard()
+    assert guard.claim(key, "owner-1", 60).value == "run"
+    assert guard.claim(key, "owner-2", 60).value == "busy"
+    guard.succeeded(key)
+    assert guard.is_done(key) and not guard.is_done(key[:-1])
+
+
+def test_cache_lock_keys_are_hashed_only_when_needed():
+    assert CacheLock("django_jobs:single:reports.monthly", "o", 10).key == "django_jobs:single:reports.monthly"
+    long_key = "django_jobs:single:" + "h" * 240
+    lock = CacheLock(long_key, "o", 10)
+    assert lock.key == cache_key(CacheLock.prefix, long_key) and lock.key.startswith("django_jobs:lock:sha256:")
+    assert lock.acquire() and not CacheLock(long_key, "other", 10).acquire()
+    lock.release()
+    assert CacheLock(long_key, "other", 10).acquire()
+
+
+class RefusingCache(LocMemCache):
+    """Fails every write without an exception, as DatabaseCache does with a database error."""
+
+    def add(self, *args, **kwargs):
+        return False
+
+
+class BrokenCache(LocMemCache):
+    def add(self, *args, **kwargs):
+        raise ConnectionError("cache server unreachable")
+
+
+def _with_cache(cache_class: str):
+    caches_setting = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+                      "idem": {"BACKEND": f"{__name__}.{cache_class}", "LOCATION": cache_class}}
+    return override_settings(CACHES=caches_setting, JOBS={"IDEMPOTENCY_CACHE": "idem"})
+
+
+def test_a_cache_that_silently_refuses_a_claim_raises_instead_of_reading_as_busy():
+    with _with_cache("RefusingCache"):
+        with pytest.raises(CacheRefused, match="refused to store"):
+            IdempotencyGuard().claim("k", "owner", 60)
+        with pytest.raises(CacheRefused, match="refused to store"):
+            CacheLock("django_jobs:single:h", "owner", 60).acquire()
+
+
+def test_a_cache_error_propagates_from_the_guard_and_the_lock():
+    with _with_cache("BrokenCache"):
+        with pytest.raises(ConnectionError):
+            IdempotencyGuard().claim("k", "owner", 60)
+        with pytest.raises(ConnectionError):
+            CacheLock("django_jobs:single:h", "owner", 60).acquire()

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 
 import pytest
 from django.test import override_settings
+from django.utils import timezone
 from hypothesis import given
 from hypothesis import strategies as st
 
-from django_jobs import Jobs
-from django_jobs.retry import RetryPolicy, policy_for
+from django_jobs import Jobs, signing
+from django_jobs.envelope import Envelope
+from django_jobs.retry import (
+    MAX_DELAY_SECONDS,
+    RetryPolicy,
+    after_lost_run,
+    check_delay,
+    clamp_delay,
+    policy_for,
+    trusted_options,
+)
 
 # -- the examples of SPEC 4 --
 
@@ -161,10 +172,19 @@ def test_malformed_per_job_backoff_off_the_wire_falls_back_to_settings():
         {"base": -1},
         {"multiplier": -2.0},
         {"max": -5},
+        {"base": float("nan")},
+        {"max": float("nan")},
+        {"multiplier": float("nan")},
     ],
 )
 def test_invalid_policy_raises(kwargs):
     with pytest.raises(ValueError):
+        RetryPolicy(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"base": "5"}, {"max": None}, {"multiplier": True}, {"base": [1]}])
+def test_a_policy_number_of_the_wrong_type_raises_type_error(kwargs):
+    with pytest.raises(TypeError):
         RetryPolicy(**kwargs)
 
 
@@ -174,6 +194,105 @@ def test_invalid_strategy_in_settings_or_backoff_raises():
     # Refused when the job is defined, not later in the worker.
     with pytest.raises(ValueError):
         Jobs.define("command", "check").backoff(strategy="sometimes")
+
+
+# -- the maximum delay: refused at dispatch, clamped wherever a delay is read --
+
+HUGE = {"strategy": "fixed", "base": 1e14, "max": 1e14}
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        RetryPolicy(**HUGE),
+        RetryPolicy(base=1e14, strategy="exponential", max=float("inf"), jitter=True),
+        RetryPolicy(base=float("inf"), strategy="exponential", multiplier=0.0, max=float("inf"), jitter=False),
+        RetryPolicy(base=5, strategy="full_jitter", max=float("inf")),
+        RetryPolicy(base=10**400, strategy="fixed", max=10**400),
+    ],
+)
+def test_any_policy_computes_a_finite_delay_of_at_most_a_year(policy):
+    for attempt in (2, 3, 50, 10**6):
+        delay = policy.compute_delay(attempt)
+        assert isinstance(delay, float) and math.isfinite(delay)
+        assert 0 <= delay <= MAX_DELAY_SECONDS
+
+
+def test_a_huge_fixed_backoff_waits_exactly_the_maximum():
+    assert MAX_DELAY_SECONDS == 365 * 24 * 3600
+    assert RetryPolicy(**HUGE).compute_delay(2) == MAX_DELAY_SECONDS
+    assert after_lost_run(0, 3, {"backoff": HUGE}) == MAX_DELAY_SECONDS
+    assert after_lost_run(3, 3, {"backoff": HUGE}) is None  # retries spent: failed, no delay
+
+
+def test_an_int_multiplier_with_a_huge_attempt_count_returns_at_once():
+    # 2 ** (2**31) as an exact int would take minutes and gigabytes: the power is taken as a float.
+    policy = RetryPolicy(base=5, strategy="exponential", multiplier=2, max=300, jitter=False)
+    assert policy.compute_delay(2**31) == 300
+    assert after_lost_run(2**40, 2**41, None) is not None
+
+
+@pytest.mark.parametrize("value", [0, 0.5, 30, MAX_DELAY_SECONDS, float(MAX_DELAY_SECONDS)])
+def test_check_delay_accepts_finite_delays_up_to_a_year(value):
+    assert check_delay(value, "delay") == float(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        (-1, ValueError), (MAX_DELAY_SECONDS + 1, ValueError), (1e14, ValueError), (10**400, ValueError),
+        (float("inf"), ValueError), (float("-inf"), ValueError), (float("nan"), ValueError),
+        (True, TypeError), ("30", TypeError), (None, TypeError),
+    ],
+)
+def test_check_delay_refuses_the_rest(value, error):
+    with pytest.raises(error, match="delay"):
+        check_delay(value, "delay")
+
+
+@pytest.mark.parametrize(
+    ("value", "clamped"),
+    [(-5, 0.0), (float("nan"), 0.0), ("x", 0.0), (None, 0.0), (float("inf"), MAX_DELAY_SECONDS),
+     (10**400, MAX_DELAY_SECONDS), (-(10**400), 0.0), (12.5, 12.5)],
+)
+def test_clamp_delay(value, clamped):
+    assert clamp_delay(value) == clamped
+
+
+def test_dispatch_refuses_delays_and_backoffs_beyond_a_year_and_accepts_up_to_it():
+    builder = Jobs.define("command", "check")
+    with pytest.raises(ValueError, match="backoff base"):
+        builder.backoff(strategy="fixed", base=MAX_DELAY_SECONDS + 1)
+    with pytest.raises(ValueError, match="backoff max"):
+        builder.backoff(max=float("inf"))
+    with pytest.raises(ValueError, match="multiplier"):
+        builder.backoff(multiplier=float("inf"))
+    with pytest.raises(ValueError, match="delay"):
+        builder.delay(-1)
+    with pytest.raises(TypeError, match="delay"):
+        builder.delay("30")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="too far ahead"):
+        builder.scheduled_at(timezone.now() + timedelta(days=366))
+    with pytest.raises(ValueError, match="delay"):  # options() checks at build()
+        Jobs.define("command", "check").options(delay=1e14).build()
+    env = (Jobs.define("command", "check").backoff(strategy="fixed", base=MAX_DELAY_SECONDS, max=MAX_DELAY_SECONDS)
+           .delay(timedelta(days=365)).build())
+    assert env.options["backoff"]["base"] == MAX_DELAY_SECONDS
+    past = timezone.now() - timedelta(days=3650)
+    assert Jobs.define("command", "check").scheduled_at(past).build().available_at == past  # due at once
+
+
+def test_reaper_trusts_a_jobs_own_options_only_when_it_verifies():
+    env = Envelope(id="job-1", handler="command", payload="check", queue="default", options={"backoff": HUGE})
+    env.signature = signing.sign(env)
+    assert trusted_options(env, "default") == {"backoff": HUGE}
+    assert trusted_options(env, "other") is None  # signed for another queue
+    env.options = {"backoff": {**HUGE, "base": 1}}  # changed after signing
+    assert trusted_options(env, "default") is None
+    env.signature = ""
+    assert trusted_options(env, "default") is None
+    with override_settings(JOBS={"VERIFY_SIGNATURE": False}):
+        assert trusted_options(env, "default") == env.options  # verification turned off: trusted
 
 
 # -- properties --
