@@ -23,8 +23,9 @@ from .models import Job, JobStatus
 logger = logging.getLogger("django_jobs.audit")
 
 
-def record_failure(envelope: Envelope, error: str, backend: str, attempts: int) -> None:
-    """Keep a failed ``Job`` copy of ``envelope``. Never raises: the backend already settled it."""
+def record_failure(envelope: Envelope, error: str, backend: str, attempts: int, queue: str | None = None) -> None:
+    """Keep a failed ``Job`` copy of ``envelope``, delivered on ``queue`` (default: the queue it
+    names). Never raises: the backend already settled it."""
     now = timezone.now()
     try:
         fields: dict[str, Any] = {
@@ -35,7 +36,7 @@ def record_failure(envelope: Envelope, error: str, backend: str, attempts: int) 
             "idempotency_key": envelope.idempotency_key, "last_error": error, "finished_at": now,
             "updated_at": now, "backend": backend, "owner_token": None, "leased_until": None,
         }
-        reason = _untrusted(envelope, backend)
+        reason = _untrusted(envelope, backend, queue or envelope.queue)
         if reason is None:
             Job.objects.update_or_create(id=envelope.id, defaults=fields)
             return
@@ -63,14 +64,14 @@ def _fitted(fields: dict[str, Any]) -> dict[str, Any]:
     return fitted
 
 
-def _untrusted(envelope: Envelope, backend: str) -> str | None:
+def _untrusted(envelope: Envelope, backend: str, queue: str) -> str | None:
     """Why ``envelope`` may not write the row of the id it names, or ``None`` when it may.
 
     It may when its signature verifies and that row, if any, is this backend's own record: a
     database backend's job is never overwritten by a copy of it that turned up in a broker.
     """
     try:
-        signing.verify_delivery(envelope, envelope.queue)
+        signing.verify_delivery(envelope, queue)  # a genuine message replayed onto another queue fails
     except (BadSignature, InvalidPayload) as exc:
         return f"the message failed verification ({type(exc).__name__})"
     owner = Job.objects.filter(pk=envelope.id).values_list("backend", flat=True).first()

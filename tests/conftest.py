@@ -132,6 +132,10 @@ def beanstalk_up(beanstalkd_server):
     from django_jobs import backends
 
     # Close the previous test's connections: beanstalkd releases the jobs they still reserve.
+    # Instances dropped by an override_settings(JOBS=...) close theirs when collected.
+    import gc
+
+    gc.collect()
     backends.get_backend("beanstalk").close()
     backends.reset(close=False)
     for queue in settings.JOBS["QUEUES"]:

@@ -42,7 +42,7 @@ from django_jobs.backends.base import Lease
 from django_jobs.envelope import Envelope
 from django_jobs.exceptions import BadSignature, InvalidPayload, LeaseLost
 from django_jobs.models import Job
-from django_jobs.retry import JITTER, RetryPolicy
+from django_jobs.retry import JITTER, MAX_DELAY_SECONDS, RetryPolicy
 
 IN_CI = os.environ.get("CI") == "true"
 
@@ -84,11 +84,12 @@ def test_delay_stays_in_zero_to_max_for_unbounded_inputs(base, multiplier, maxim
     policy = RetryPolicy(base=base, strategy=strategy, multiplier=multiplier, max=maximum, jitter=jitter)
     delay = policy.compute_delay(attempt)
     assert isinstance(delay, float) and math.isfinite(delay)
-    assert 0 <= delay <= maximum
+    # Every delay is also capped at MAX_DELAY_SECONDS (a year), whatever the policy says.
+    assert 0 <= delay <= min(maximum, MAX_DELAY_SECONDS)
     if attempt <= 1 or strategy == "none":
         assert delay == 0
     elif strategy == "fixed":
-        assert delay == min(base, maximum)
+        assert delay == min(base, maximum, MAX_DELAY_SECONDS)
 
 
 @given(
@@ -97,13 +98,14 @@ def test_delay_stays_in_zero_to_max_for_unbounded_inputs(base, multiplier, maxim
 )
 def test_exponential_matches_the_spec_formula_for_unbounded_inputs(base, multiplier, maximum, attempt):
     unjittered = RetryPolicy(base=base, strategy="exponential", multiplier=multiplier, max=maximum, jitter=False)
-    raw = spec_raw(base, multiplier, maximum, attempt)
+    cap = min(maximum, MAX_DELAY_SECONDS)  # no delay is ever longer than a year
+    raw = spec_raw(base, multiplier, cap, attempt)
     assert close(unjittered.compute_delay(attempt), raw)
-    # Jitter: within ±15 % of the capped delay, then capped again (never above max).
+    # Jitter: within ±15 % of the capped delay, then capped again (never above the cap).
     jittered = replace(unjittered, jitter=True).compute_delay(attempt)
-    assert (1 - JITTER) * raw * (1 - 1e-6) - 1e-300 <= jittered <= min((1 + JITTER) * raw * (1 + 1e-6) + 1e-300, maximum)
+    assert (1 - JITTER) * raw * (1 - 1e-6) - 1e-300 <= jittered <= min((1 + JITTER) * raw * (1 + 1e-6) + 1e-300, cap)
     full = RetryPolicy(base=base, strategy="full_jitter", max=maximum).compute_delay(attempt)
-    assert 0 <= full <= spec_raw(base, 2.0, maximum, attempt) * (1 + 1e-6) + 1e-300
+    assert 0 <= full <= spec_raw(base, 2.0, cap, attempt) * (1 + 1e-6) + 1e-300
 
 
 def test_zero_base_never_waits_even_when_the_growth_factor_overflows(monkeypatch):

@@ -88,18 +88,19 @@ class QueueBackend(ABC):
         dead letter, then (``audit_failures``) a failed ``Job`` row the admin shows and retries."""
         self.dead_letter(lease, error, count_run=count_run)
         if self.audit_failures and lease.envelope is not None:
-            self.record_failure(lease.envelope, error, lease.envelope.attempts + int(count_run))
+            self.record_failure(lease.envelope, error, lease.envelope.attempts + int(count_run), lease.queue)
 
     @abstractmethod
     def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
         """The backend's own half of :meth:`abandon` (a failed set, a bury, a dead-letter
         subqueue, a failed row); fenced like every settle."""
 
-    def record_failure(self, envelope: Envelope, error: str, attempts: int) -> None:
-        """Keep a failed ``Job`` row of a job this backend settled for good (never raises)."""
+    def record_failure(self, envelope: Envelope, error: str, attempts: int, queue: str) -> None:
+        """Keep a failed ``Job`` row of a job this backend settled for good, delivered on
+        ``queue`` (never raises)."""
         from ..audit import record_failure  # the models load after the app registry
 
-        record_failure(envelope, error, self.name, attempts)
+        record_failure(envelope, error, self.name, attempts, queue)
 
     @abstractmethod
     def extend(self, lease: Lease, seconds: float) -> None:

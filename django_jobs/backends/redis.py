@@ -18,7 +18,6 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 
 from .. import conf
-from ..audit import record_failure
 from ..envelope import Envelope
 from ..exceptions import InvalidPayload, LeaseLost, WorkerLost
 from ..retry import after_lost_run
@@ -210,7 +209,7 @@ class RedisBackend(QueueBackend):
                 if self._run("reap", queue, job_id, owner or b"", now, action, new_body, due, error):
                     reaped += 1
                     if env is not None and action == "fail":
-                        record_failure(env, error, self.name, env.attempts + 1)
+                        self.record_failure(env, error, env.attempts + 1, queue)
         return reaped
 
     def wait_for_work(self, queues: list[str], timeout: float) -> bool:
