@@ -749,5 +749,5 @@ def test_import_without_greenstalk_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "django_jobs.backends.beanstalk")
     with pytest.raises(ImproperlyConfigured) as excinfo:
         importlib.import_module("django_jobs.backends.beanstalk")
-    assert "pip install 'django-jobs[beanstalk]'" in str(excinfo.value)
+    assert "pip install 'django-reliable-jobs[beanstalk]'" in str(excinfo.value)
     assert "greenstalk" in str(excinfo.value)

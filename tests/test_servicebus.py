@@ -677,7 +677,7 @@ def test_import_without_the_azure_servicebus_package_names_the_extra(monkeypatch
     monkeypatch.delitem(sys.modules, "django_jobs.backends.servicebus")
     with pytest.raises(ImproperlyConfigured) as excinfo:
         importlib.import_module("django_jobs.backends.servicebus")
-    assert "pip install 'django-jobs[servicebus]'" in str(excinfo.value)
+    assert "pip install 'django-reliable-jobs[servicebus]'" in str(excinfo.value)
 
 
 def test_a_backend_without_credentials_is_improperly_configured_on_first_use():

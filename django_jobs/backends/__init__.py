@@ -31,7 +31,7 @@ def require(module: str, extra: str) -> Any:
         return import_module(module)
     except ImportError as exc:
         raise ImproperlyConfigured(
-            f"this backend needs {module!r}: pip install 'django-jobs[{extra}]'"
+            f"this backend needs {module!r}: pip install 'django-reliable-jobs[{extra}]'"
         ) from exc
 
 
