@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from . import conf
 from .exceptions import InvalidPayload
+from .signing import SIGNED_FIELDS
 
 
 def new_id() -> str:
@@ -43,11 +44,8 @@ class Envelope:
     signature: str = ""
 
     def signed_fields(self) -> dict[str, Any]:
-        return {
-            "id": self.id, "handler": self.handler, "payload": self.payload, "queue": self.queue,
-            "priority": self.priority, "max_retries": self.max_retries, "name": self.name,
-            "idempotency_key": self.idempotency_key, "timeout": self.timeout, "options": self.options,
-        }
+        """The values the signature covers, by name (:data:`~django_jobs.signing.SIGNED_FIELDS`)."""
+        return {name: getattr(self, name) for name in SIGNED_FIELDS}
 
     def next_attempt(self) -> Envelope:
         """A copy with one more completed run, for backends that requeue by re-sending."""
@@ -83,7 +81,7 @@ class Envelope:
         available_at = data.get("available_at")
         if available_at is not None:
             try:
-                data["available_at"] = datetime.fromtimestamp(available_at, tz=timezone.utc)
+                data["available_at"] = datetime.fromtimestamp(available_at, tz=UTC)
             except (TypeError, ValueError, OverflowError, OSError) as exc:
                 raise InvalidPayload(f"available_at is not a usable timestamp: {exc}") from exc
         return cls.from_dict(data)

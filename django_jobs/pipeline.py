@@ -39,7 +39,7 @@ from .heartbeat import Heartbeat
 from .idempotency import Claim, IdempotencyGuard
 from .locks import CacheLock
 from .metrics import MetricsCollector, get_collector
-from .retry import policy_for
+from .retry import has_retries_left, may_run, policy_for
 from .timeouts import HARD_TIMEOUT_GRACE, time_limit
 
 logger = logging.getLogger("django_jobs.worker")
@@ -194,7 +194,7 @@ class DeliveryPipeline:
             return None, _rejection(exc, "jobs_rejected_signature")
         except InvalidPayload as exc:  # fields no JSON encoder accepts (inf, lone surrogates)
             return None, _rejection(exc, "jobs_rejected_payload")
-        if env.attempts > env.max_retries:
+        if not may_run(env.attempts, env.max_retries):
             # The broker's delivery count says earlier deliveries were lost: the budget is spent.
             lost = f"WorkerLost: delivered {env.attempts} times, max_retries={env.max_retries}"
             return None, Verdict(Outcome.DEAD_LETTERED, lost, count_run=False)
@@ -281,7 +281,7 @@ class DeliveryPipeline:
         d.release.clear()
         self.metrics.increment("jobs_failed", queue=d.lease.queue)
         env, text = d.env, format_error(exc)
-        if env.attempts < env.max_retries and self.backend.supports_retry and self._may_retry(d, exc):
+        if has_retries_left(env.attempts, env.max_retries) and self.backend.supports_retry and self._may_retry(d, exc):
             delay = policy_for(env.options).compute_delay(env.attempts + 2)
             return Verdict(Outcome.REQUEUED, text, delay=delay, seconds=seconds)
         return Verdict(Outcome.DEAD_LETTERED, text, seconds=seconds)

@@ -145,13 +145,27 @@ def policy_for(options: dict[str, Any] | None) -> RetryPolicy:
     return RetryPolicy.from_settings()
 
 
+def may_run(runs: int, max_retries: int) -> bool:
+    """The retry budget, the one place it is stated: a job runs at most ``max_retries + 1`` times,
+    so a job that has completed ``runs`` runs (successful, failed or lost) may run again only
+    while ``runs <= max_retries``. A delivery whose ``attempts`` is past that (runs lost to
+    crashes, counted by the broker) is failed without running."""
+    return runs <= max_retries
+
+
+def has_retries_left(attempts: int, max_retries: int) -> bool:
+    """Whether a job may run again after the run it is in now, which had ``attempts`` runs
+    (0-based, as in the envelope) before it: ``attempts < max_retries``."""
+    return may_run(attempts + 1, max_retries)
+
+
 def after_lost_run(attempts: int, max_retries: int, options: dict[str, Any] | None) -> float | None:
     """A lost lease counts as a failed run: the delay before the job runs again (a finite float
     in ``[0, MAX_DELAY_SECONDS]``), or ``None`` when that run used up its retries (the job fails).
 
     ``options`` must come from a verified message (:func:`trusted_options`): pass ``None`` to
     apply the global policy."""
-    if attempts + 1 > max_retries:
+    if not has_retries_left(attempts, max_retries):
         return None
     return clamp_delay(policy_for(options).compute_delay(attempts + 2))
 

@@ -18,9 +18,10 @@ from .exceptions import BadSignature, InvalidPayload
 if TYPE_CHECKING:
     from .envelope import Envelope
 
-# The fields a signature covers. attempts and available_at change on every requeue, so they
-# are left out and a requeued message still verifies; everything that decides *what* runs,
-# *where* and *how often* is inside the MAC (queue and handler included: no replay elsewhere).
+# The fields a signature covers, the one list of them (``Envelope.signed_fields`` reads it).
+# attempts and available_at change on every requeue, so they are left out and a requeued
+# message still verifies; everything that decides *what* runs, *where* and *how often* is
+# inside the MAC (queue and handler included: no replay elsewhere).
 SIGNED_FIELDS = (
     "id", "handler", "payload", "queue", "priority", "max_retries",
     "name", "idempotency_key", "timeout", "options",

@@ -1,4 +1,6 @@
-"""Helpers for tests/test_redis.py: a private, throw-away ``redis-server`` and raw key access.
+"""Helpers for tests/test_redis.py: a private, throw-away ``redis-server``.
+
+Key names come from the backend itself (``RedisBackend.keys(queue)``, a ``QueueKeys``).
 
 The private server exists so a test can stop and restart Redis under running workers without
 ever touching the shared server (127.0.0.1:6379) that the rest of the suite and other test
@@ -14,7 +16,7 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
 import redis
 from redis.backoff import NoBackoff
@@ -108,18 +110,3 @@ class PrivateRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
-
-
-class QueueKeys:
-    """The Redis key names of one queue, by kind (from ``RedisBackend.keys``, never rebuilt here)."""
-
-    def __init__(self, backend: Any, queue: str) -> None:
-        from django_jobs.backends.redis import KINDS
-
-        self.by_kind = dict(zip(KINDS, backend.keys(queue), strict=True))
-
-    def __getattr__(self, kind: str) -> str:
-        try:
-            return self.by_kind[kind]
-        except KeyError:
-            raise AttributeError(kind) from None

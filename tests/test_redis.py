@@ -7,21 +7,24 @@ workers surviving a Redis restart, raw bytes pushed into the keys, the failed se
 admin retry, on-commit dispatch, the django-redis cache option, the missing extra, the
 blocking wait and the stats.
 
-Key names always come from ``backend.keys(queue)`` (tests/redis_support.QueueKeys), and every
+Key names always come from ``backend.keys(queue)`` (the product's ``QueueKeys``), and every
 key lives under this session's prefix, which the ``redis_up`` fixture clears before each test.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.resources
 import io
 import json
+import re
 import signal
 import sys
 import threading
 import time
 import uuid
 from collections import Counter
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -33,7 +36,7 @@ from django.test import override_settings
 
 from django_jobs import Jobs
 from django_jobs.backends import get_backend
-from django_jobs.backends.redis import RedisBackend
+from django_jobs.backends.redis import QueueKeys, RedisBackend
 from django_jobs.envelope import Envelope
 from django_jobs.idempotency import Claim, IdempotencyGuard
 from django_jobs.metrics import get_collector
@@ -42,7 +45,7 @@ from django_jobs.operations import retry_jobs
 from django_jobs.worker import QueueWorker
 from tests.conftest import require_service
 from tests.procs import pid_alive, processes, wait_until, worker_env
-from tests.redis_support import PrivateRedis, QueueKeys, free_port, redis_server_binary
+from tests.redis_support import PrivateRedis, free_port, redis_server_binary
 from tests.testapp.jobs import scripted
 from tests.testapp.models import SideEffect
 
@@ -138,7 +141,7 @@ def test_three_worker_processes_drain_3000_jobs_exactly_once(postgres_up, backen
 @PROCESS_DB
 def test_sigkilled_worker_lease_is_recovered_by_jobs_reap(postgres_up, backend, raw):
     env = worker_env(lease_timeout=2)
-    k = QueueKeys(backend, "default")
+    k = backend.keys("default")
     key = unique("rcrash")
     job_id = scripted.using(backend="redis", max_retries=1, backoff=NO_BACKOFF).dispatch(
         action="sleep", key=key, db=PG, seconds=3
@@ -188,7 +191,7 @@ def test_sigkilled_worker_lease_is_recovered_by_jobs_reap(postgres_up, backend, 
 def test_reaped_message_without_backoff_is_ready_not_delayed(backend, raw):
     """Like nack(delay=0), a lost run whose policy gives no delay goes straight back to waiting
     (SPEC 6: reap_expired is "same as database"; nack "straight back to waiting")."""
-    k = QueueKeys(backend, "default")
+    k = backend.keys("default")
     for _ in range(20):
         backend.enqueue(scripted.using(max_retries=3, backoff=NO_BACKOFF).build(action="ok").build())
     past_ms = (time.time() - 5) * 1000
@@ -310,7 +313,7 @@ def _push_raw(raw: Any, k: QueueKeys, job_id: str, body: bytes | None) -> None:
 
 @pytest.mark.django_db
 def test_garbage_in_redis_is_rejected_counted_and_kept_while_good_jobs_run(backend, raw):
-    default, other = QueueKeys(backend, "default"), QueueKeys(backend, "other")
+    default, other = backend.keys("default"), backend.keys("other")
     good_key, bad_key = unique("rgood"), unique("rbad")
 
     def good() -> str:
@@ -390,7 +393,7 @@ def test_garbage_in_redis_is_rejected_counted_and_kept_while_good_jobs_run(backe
 
 @pytest.mark.django_db
 def test_abandon_records_a_failed_job_row_and_admin_retry_redispatches_to_redis(backend, raw):
-    k = QueueKeys(backend, "default")
+    k = backend.keys("default")
     key = unique("rflaky")
     # Fails its first run (no retries left: dead-lettered), succeeds when run again.
     # enqueue(), not dispatch(): the test's own transaction would defer dispatch() to a commit
@@ -425,7 +428,7 @@ def test_abandon_records_a_failed_job_row_and_admin_retry_redispatches_to_redis(
 
 
 def _dispatch_in_atomic(using: str, backend: RedisBackend, raw: Any, *, commit: bool) -> str:
-    k = QueueKeys(backend, "default")
+    k = backend.keys("default")
     seen_inside = []
 
     class Rollback(Exception):
@@ -449,7 +452,7 @@ def _dispatch_in_atomic(using: str, backend: RedisBackend, raw: Any, *, commit: 
 def test_dispatch_in_atomic_reaches_redis_only_on_commit(request, using, backend, raw):
     if using == PG:
         request.getfixturevalue("postgres_up")
-    k = QueueKeys(backend, "default")
+    k = backend.keys("default")
     job_id = _dispatch_in_atomic(using, backend, raw, commit=True)
     assert raw.zscore(k.waiting, job_id) is not None
     assert backend.size("default") == 1
@@ -464,7 +467,7 @@ def test_dispatch_in_rolled_back_atomic_never_reaches_redis(request, using, back
     if using == PG:
         request.getfixturevalue("postgres_up")
     job_id = _dispatch_in_atomic(using, backend, raw, commit=False)
-    assert not raw.hexists(QueueKeys(backend, "default").bodies, job_id)
+    assert not raw.hexists(backend.keys("default").bodies, job_id)
     assert backend.stats("default") == zero_stats()
     assert list(raw.scan_iter(match=f"{settings.REDIS_PREFIX}:*")) == [], "nothing at all was written"
 
@@ -509,7 +512,7 @@ def test_cache_option_uses_the_django_redis_connection(redis_cache_settings, raw
     key = unique("rcache")
     job_id = backend.enqueue(scripted.using().build(action="ok", key=key).build())  # dispatch() would wait for commit
     # Written through the cache's connection to the same server the raw client reads.
-    assert raw.zscore(QueueKeys(backend, "default").waiting, job_id) is not None
+    assert raw.zscore(backend.keys("default").waiting, job_id) is not None
     result = QueueWorker("redis-cache", ["default"]).process_once()
     assert (result.status, result.job_id) == ("acked", job_id)
     assert len(effects(key, "default")) == 1
@@ -565,7 +568,7 @@ def test_import_without_the_redis_package_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "django_jobs.backends.redis")
     with pytest.raises(ImproperlyConfigured) as excinfo:
         importlib.import_module("django_jobs.backends.redis")
-    assert "pip install 'django-jobs[redis]'" in str(excinfo.value)
+    assert "pip install 'django-reliable-jobs[redis]'" in str(excinfo.value)
 
 
 # -- 9. the blocking wait ---------------------------------------------------------------------------
@@ -576,7 +579,7 @@ def test_wait_for_work_wakes_when_a_job_is_enqueued(raw):
     name = unique("djt-wait")
     backend = RedisBackend("redis", {"URL": f"{settings.REDIS_URL}?client_name={name}", "PREFIX": settings.REDIS_PREFIX})
     try:
-        k = QueueKeys(backend, "default")
+        k = backend.keys("default")
         assert raw.llen(k.notify) == 0
         finished = []
         waiter = threading.Thread(target=lambda: finished.append(backend.wait_for_work(["default"], 5)), daemon=True)
@@ -597,7 +600,7 @@ def test_wait_for_work_wakes_when_a_job_is_enqueued(raw):
 def test_delayed_job_is_fetched_after_waiting_with_nothing_pushed(raw):
     backend = RedisBackend("redis", {"URL": settings.REDIS_URL, "PREFIX": settings.REDIS_PREFIX})
     try:
-        k = QueueKeys(backend, "default")
+        k = backend.keys("default")
         job_id = backend.enqueue(scripted.using(backend="redis", delay=0.3).build(action="ok").build())
         assert raw.zscore(k.delayed, job_id) is not None
         assert backend.fetch("default") is None, "not due yet"
@@ -655,3 +658,75 @@ def test_stats_and_size_count_waiting_delayed_in_progress_and_failed(backend):
 
     backend.ack(held)
     assert backend.stats("default") == {**expected, "in_progress": 0}
+
+
+# -- 11. the failed set purged ----------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_purge_failed_forgets_failed_messages_and_keeps_younger_ones(backend, raw):
+    k = backend.keys("default")
+    ids = [backend.enqueue(scripted.using(backend="redis").build(action="ok").build()) for _ in range(3)]
+    for _ in ids[:2]:
+        lease = backend.fetch("default")
+        assert lease is not None
+        backend.abandon(lease, "test: failed for good")
+    failed = {i.decode() for i in raw.zrange(k.failed, 0, -1)}
+    assert len(failed) == 2 and failed < set(ids)
+    # Failed one hour ago: old enough for a one-minute cut-off, unlike the other one.
+    old = min(failed)
+    raw.zadd(k.failed, {old: (time.time() - 3600) * 1000}, xx=True)
+
+    assert backend.purge_failed("default", older_than=timedelta(minutes=1)) == 1
+    assert not raw.hexists(k.bodies, old) and not raw.hexists(k.errors, old) and not raw.hexists(k.priorities, old)
+    assert raw.zscore(k.failed, old) is None
+    assert backend.stats("default") == {**zero_stats(), "pending": 1, "failed": 1}
+
+    assert backend.purge_failed("default") == 1
+    assert backend.stats("default") == {**zero_stats(), "pending": 1}
+    waiting = ({*ids} - failed).pop()
+    assert raw.hexists(k.bodies, waiting), "a waiting message is not a failed one"
+
+
+# -- 12. the scripts' keys and arguments ------------------------------------------------------------
+
+LUA = importlib.resources.files("django_jobs.backends") / "lua"
+HEADER_KEY = re.compile(r"^local (\w+)_key = KEYS\[(\d+)\]")
+HEADER_ARG = re.compile(r"^local \w+ = (?:tonumber\()?ARGV\[(\d+)\]\)?(?:\s|$)")
+
+
+def test_common_lua_names_the_keys_in_queue_keys_order():
+    """Python passes ``QueueKeys`` as KEYS in field order; common.lua must name them the same."""
+    named = [m.groups() for line in (LUA / "common.lua").read_text().splitlines() if (m := HEADER_KEY.match(line))]
+    assert [name for name, _ in named] == list(QueueKeys._fields)
+    assert [int(index) for _, index in named] == list(range(1, len(QueueKeys._fields) + 1))
+    keys = RedisBackend("r", {"PREFIX": "p"}).keys("q")
+    assert list(keys) == [f"p:{{q}}:{kind}" for kind in QueueKeys._fields]
+    assert (keys.waiting, keys.failed) == ("p:{q}:waiting", "p:{q}:failed")
+
+
+@pytest.mark.parametrize("script", sorted(path.name for path in LUA.iterdir() if path.name.endswith(".lua")))
+def test_every_script_names_its_arguments_once_in_its_header(script):
+    """KEYS are read only in common.lua's header, and each ARGV once, in order, in the script's
+    own header: the body uses names, never positions."""
+    lines = (LUA / script).read_text().splitlines()
+    positional = [line for line in lines if "KEYS[" in line]
+    assert len(positional) == (len(QueueKeys._fields) if script == "common.lua" else 0)
+    args = [line for line in lines if "ARGV[" in line]
+    assert all(HEADER_ARG.match(line) for line in args), args
+    assert [int(HEADER_ARG.match(line).group(1)) for line in args] == list(range(1, len(args) + 1))
+
+
+# -- 13. capability flags ---------------------------------------------------------------------------
+
+
+def test_capability_flags_are_the_documented_ones():
+    # native_dead_letter is False: failures stay in the `failed` set the scripts maintain, not in a
+    # broker mechanism (test_purge_failed_... and the abandon tests above cover that set).
+    flags = ("supports_delay", "supports_priority", "native_lease", "native_dead_letter", "pipelines_ack_fetch",
+             "supports_retry", "persistent", "transactional", "audit_failures")
+    assert {flag: getattr(RedisBackend, flag) for flag in flags} == {
+        "supports_delay": True, "supports_priority": True, "native_lease": False, "native_dead_letter": False,
+        "pipelines_ack_fetch": True, "supports_retry": True, "persistent": True, "transactional": False,
+        "audit_failures": True,
+    }

@@ -19,6 +19,8 @@ from django_jobs.retry import (
     after_lost_run,
     check_delay,
     clamp_delay,
+    has_retries_left,
+    may_run,
     policy_for,
     trusted_options,
 )
@@ -230,6 +232,31 @@ def test_an_int_multiplier_with_a_huge_attempt_count_returns_at_once():
     policy = RetryPolicy(base=5, strategy="exponential", multiplier=2, max=300, jitter=False)
     assert policy.compute_delay(2**31) == 300
     assert after_lost_run(2**40, 2**41, None) is not None
+
+
+# -- the retry budget: at most max_retries + 1 runs --
+
+
+@pytest.mark.parametrize("max_retries", [0, 1, 2, 5])
+def test_an_always_failing_job_runs_max_retries_plus_one_times(max_retries):
+    attempts, runs = 0, 0  # attempts: runs completed before the current one
+    while True:
+        assert may_run(attempts, max_retries)
+        runs += 1
+        if not has_retries_left(attempts, max_retries):
+            break
+        attempts += 1
+    assert runs == max_retries + 1
+    assert not may_run(runs, max_retries), "a delivery after the last run is failed without running"
+
+
+@given(attempts=st.integers(min_value=0, max_value=10**6), max_retries=st.integers(min_value=0, max_value=10**6))
+def test_the_budget_rules_agree(attempts, max_retries):
+    assert has_retries_left(attempts, max_retries) == (attempts < max_retries)
+    assert may_run(attempts, max_retries) == (attempts <= max_retries)
+    # A lost run is a failed run: it is followed by another exactly when a failed one would be.
+    lost = after_lost_run(attempts, max_retries, {"backoff": {"strategy": "none"}})
+    assert (lost is not None) == has_retries_left(attempts, max_retries)
 
 
 @pytest.mark.parametrize("value", [0, 0.5, 30, MAX_DELAY_SECONDS, float(MAX_DELAY_SECONDS)])

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import secrets
 import time
-from datetime import datetime, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime, timedelta
 from functools import cache
 from importlib.resources import files
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -26,11 +25,37 @@ from .base import Lease, QueueBackend, decode_lease_body
 
 redis = require("redis", "redis")
 
-KINDS = ("waiting", "delayed", "processing", "owners", "bodies", "priorities", "sequence", "notify", "failed", "errors")
 SCRIPTS = ("enqueue", "fetch", "ack", "ack_fetch", "nack", "abandon", "extend", "reap")
 # Priorities share a float64 score with a 40-bit sequence number: keep them exact.
 PRIORITY_LIMIT = 8000
 REAP_BATCH = 500
+
+
+class QueueKeys(NamedTuple):
+    """The Redis keys of one queue, by kind.
+
+    Every script receives all of them as ``KEYS``, in this field order; ``common.lua`` names them
+    in the same order at its top, so the two lists change together.
+    """
+
+    waiting: str  # zset: -priority * 2^40 + sequence -> id, so ZPOPMIN is priority, then FIFO
+    delayed: str  # zset: due time (ms) -> id
+    processing: str  # zset: lease deadline (ms) -> id
+    owners: str  # hash: id -> owner token (fencing)
+    bodies: str  # hash: id -> the signed envelope
+    priorities: str  # hash: id -> priority
+    sequence: str  # counter: FIFO order within a priority
+    notify: str  # list: wakes workers blocked in wait_for_work
+    failed: str  # zset: failure time (ms) -> id, kept for audit
+    errors: str  # hash: id -> last error
+
+    @classmethod
+    def of(cls, prefix: str, queue: str) -> QueueKeys:
+        # The {queue} hash tag keeps one queue's keys in one Redis Cluster slot.
+        return cls(*(f"{prefix}:{{{queue}}}:{kind}" for kind in cls._fields))
+
+
+KINDS = QueueKeys._fields
 
 
 @cache
@@ -44,7 +69,7 @@ def _ms(moment: float | None = None) -> int:
 
 
 def _from_ms(ms: float) -> datetime:
-    return datetime.fromtimestamp(ms / 1000, tz=dt_timezone.utc)
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
 
 
 class RedisBackend(QueueBackend):
@@ -75,7 +100,9 @@ class RedisBackend(QueueBackend):
             try:
                 from django_redis import get_redis_connection
             except ImportError as exc:
-                raise ImproperlyConfigured("OPTIONS['CACHE'] needs django-redis: pip install 'django-jobs[redis]'") from exc
+                raise ImproperlyConfigured(
+                    "OPTIONS['CACHE'] needs django-redis: pip install 'django-reliable-jobs[redis]'"
+                ) from exc
             return get_redis_connection(self.options["CACHE"])
         url = self.options.get("URL")
         if not url:
@@ -87,13 +114,14 @@ class RedisBackend(QueueBackend):
             self._client.connection_pool.disconnect()
         self._client = None
 
-    def keys(self, queue: str) -> list[str]:
-        # The {queue} hash tag keeps one queue's keys in one Redis Cluster slot.
-        return [f"{self.prefix}:{{{queue}}}:{kind}" for kind in KINDS]
+    def keys(self, queue: str) -> QueueKeys:
+        return QueueKeys.of(self.prefix, queue)
 
     def _run(self, script: str, queue: str, *args: Any, client: Any = None) -> Any:
+        """Run one Lua script on ``queue``: every script gets all the queue's keys, in
+        :class:`QueueKeys` order."""
         self.client  # noqa: B018  (connects and registers the scripts)
-        return self._scripts[script](keys=self.keys(queue), args=list(args), client=client)
+        return self._scripts[script](keys=list(self.keys(queue)), args=list(args), client=client)
 
     def _fenced(self, script: str, lease: Lease, *args: Any) -> None:
         if not self._run(script, lease.queue, lease.token, lease.owner_token, *args):
@@ -180,12 +208,12 @@ class RedisBackend(QueueBackend):
 
         keys = self.keys(queue)
         now = _ms()
-        ids = self.client.zrangebyscore(keys[2], "-inf", now, start=0, num=REAP_BATCH, withscores=True)
+        ids = self.client.zrangebyscore(keys.processing, "-inf", now, start=0, num=REAP_BATCH, withscores=True)
         if not ids:
             return 0
         pipe = self.client.pipeline(transaction=False)
-        pipe.hmget(keys[3], [i for i, _ in ids])
-        pipe.hmget(keys[4], [i for i, _ in ids])
+        pipe.hmget(keys.owners, [i for i, _ in ids])
+        pipe.hmget(keys.bodies, [i for i, _ in ids])
         owners, bodies = pipe.execute()
         reaped = 0
         for (job_id, deadline), owner, body in zip(ids, owners, bodies, strict=True):
@@ -220,7 +248,7 @@ class RedisBackend(QueueBackend):
             timeout = min(timeout, max(min(dues) - now, 0.0))
         if timeout < 0.01:
             return True
-        self.client.blpop([self.keys(q)[7] for q in queues], timeout=timeout)
+        self.client.blpop([self.keys(q).notify for q in queues], timeout=timeout)
         return True
 
     def size(self, queue: str) -> int:
@@ -230,20 +258,20 @@ class RedisBackend(QueueBackend):
     def stats(self, queue: str) -> dict[str, int]:
         keys = self.keys(queue)
         pipe = self.client.pipeline(transaction=False)
-        for index in (0, 1, 2, 8):
-            pipe.zcard(keys[index])
+        for key in (keys.waiting, keys.delayed, keys.processing, keys.failed):
+            pipe.zcard(key)
         waiting, delayed, processing, failed = pipe.execute()
         return {"pending": waiting, "delayed": delayed, "in_progress": processing, "failed": failed}
 
     def purge_failed(self, queue: str, older_than: timedelta | None = None) -> int:
         keys = self.keys(queue)
         limit = _ms(time.time() - older_than.total_seconds()) if older_than else "+inf"
-        ids = self.client.zrangebyscore(keys[8], "-inf", limit)
+        ids = self.client.zrangebyscore(keys.failed, "-inf", limit)
         if ids:
             pipe = self.client.pipeline(transaction=True)
-            pipe.zrem(keys[8], *ids)
-            pipe.hdel(keys[9], *ids)
-            pipe.hdel(keys[4], *ids)
-            pipe.hdel(keys[5], *ids)
+            pipe.zrem(keys.failed, *ids)
+            pipe.hdel(keys.errors, *ids)
+            pipe.hdel(keys.bodies, *ids)
+            pipe.hdel(keys.priorities, *ids)
             pipe.execute()
         return len(ids)

@@ -1,7 +1,12 @@
--- ARGV: id, owner, body (may be empty: keep the stored one), now_ms, error. Kept in failed for audit.
+-- Settle a leased message as failed: kept in the failed set, with its error, for audit.
 local id = ARGV[1]
-if not owned(id, ARGV[2]) then return 0 end
+local owner = ARGV[2]
+local body = ARGV[3]            -- empty: keep the stored body
+local now = tonumber(ARGV[4])   -- ms
+local last_error = ARGV[5]
+
+if not owned(id, owner) then return 0 end
 release(id)
-if ARGV[3] ~= '' then redis.call('HSET', B, id, ARGV[3]) end
-fail(id, tonumber(ARGV[4]), ARGV[5])
+if body ~= '' then redis.call('HSET', bodies_key, id, body) end
+fail(id, now, last_error)
 return 1

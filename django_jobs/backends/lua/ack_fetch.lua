@@ -1,6 +1,12 @@
--- ARGV: id, owner, now_ms, lease_deadline_ms, new_owner. Acks a message and leases the next one
--- in one round trip. Returns {0} when the ack is fenced off (nothing is leased then).
-if not owned(ARGV[1], ARGV[2]) then return {0} end
-forget(ARGV[1])
-local leased = lease_next(tonumber(ARGV[3]), ARGV[4], ARGV[5])
+-- Ack a leased message and lease the next one in one round trip. Returns {0} when the ack is
+-- fenced off (nothing is leased then), else {1, id, body} or {1, false, next_due_ms_or_false}.
+local id = ARGV[1]
+local owner = ARGV[2]
+local now = tonumber(ARGV[3])   -- ms
+local deadline = ARGV[4]        -- ms: the new lease's expiry
+local new_owner = ARGV[5]
+
+if not owned(id, owner) then return {0} end
+forget(id)
+local leased = lease_next(now, deadline, new_owner)
 return {1, leased[1], leased[2]}

@@ -1,8 +1,14 @@
--- ARGV: id, body, priority, due_ms, now_ms. A re-dispatched id leaves the failed set.
-local id, due, now = ARGV[1], tonumber(ARGV[4]), tonumber(ARGV[5])
-redis.call('HSET', B, id, ARGV[2])
-redis.call('HSET', PR, id, ARGV[3])
-redis.call('ZREM', F, id)
-redis.call('HDEL', E, id)
+-- Store a message and make it ready (or delayed until due). A re-dispatched id leaves the
+-- failed set.
+local id = ARGV[1]
+local body = ARGV[2]
+local priority = ARGV[3]
+local due = tonumber(ARGV[4])   -- ms
+local now = tonumber(ARGV[5])   -- ms
+
+redis.call('HSET', bodies_key, id, body)
+redis.call('HSET', priorities_key, id, priority)
+redis.call('ZREM', failed_key, id)
+redis.call('HDEL', errors_key, id)
 requeue(id, due, now)
 return 1

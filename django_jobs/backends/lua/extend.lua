@@ -1,5 +1,8 @@
--- ARGV: id, owner, new_deadline_ms. The heartbeat.
+-- The heartbeat: push a held lease's deadline.
 local id = ARGV[1]
-if not owned(id, ARGV[2]) then return 0 end
-redis.call('ZADD', R, 'XX', ARGV[3], id)
+local owner = ARGV[2]
+local deadline = ARGV[3]        -- ms: the new expiry
+
+if not owned(id, owner) then return 0 end
+redis.call('ZADD', processing_key, 'XX', deadline, id)
 return 1

@@ -1,2 +1,6 @@
--- ARGV: now_ms, lease_deadline_ms, owner.
-return lease_next(tonumber(ARGV[1]), ARGV[2], ARGV[3])
+-- Lease the next ready message. Returns {id, body} or {false, next_due_ms_or_false}.
+local now = tonumber(ARGV[1])   -- ms
+local deadline = ARGV[2]        -- ms: the lease's expiry
+local owner = ARGV[3]
+
+return lease_next(now, deadline, owner)

@@ -1,8 +1,14 @@
--- ARGV: id, owner, body (re-serialised with attempts + 1), due_ms, now_ms, error.
+-- Requeue a leased message: ready again, or delayed until due.
 local id = ARGV[1]
-if not owned(id, ARGV[2]) then return 0 end
+local owner = ARGV[2]
+local body = ARGV[3]            -- re-serialised with attempts + 1 (unchanged when the run is not counted)
+local due = tonumber(ARGV[4])   -- ms
+local now = tonumber(ARGV[5])   -- ms
+local last_error = ARGV[6]
+
+if not owned(id, owner) then return 0 end
 release(id)
-redis.call('HSET', B, id, ARGV[3])
-redis.call('HSET', E, id, ARGV[6])
-requeue(id, tonumber(ARGV[4]), tonumber(ARGV[5]))
+redis.call('HSET', bodies_key, id, body)
+redis.call('HSET', errors_key, id, last_error)
+requeue(id, due, now)
 return 1

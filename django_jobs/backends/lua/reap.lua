@@ -1,15 +1,22 @@
--- ARGV: id, owner seen when listing, now_ms, 'retry' | 'fail', body, due_ms, error.
+-- Recover one expired lease: requeue it (a failed run with retries left) or fail it.
 -- Acts only if the same lease is still held and still expired: a heartbeat or a settle that
 -- happened since the listing wins.
-local id, now = ARGV[1], tonumber(ARGV[3])
-local deadline = redis.call('ZSCORE', R, id)
-if redis.call('HGET', O, id) ~= ARGV[2] or not deadline or tonumber(deadline) > now then return 0 end
+local id = ARGV[1]
+local owner = ARGV[2]           -- the owner seen when listing
+local now = tonumber(ARGV[3])   -- ms
+local action = ARGV[4]          -- 'retry' | 'fail'
+local body = ARGV[5]            -- empty: keep the stored body
+local due = tonumber(ARGV[6])   -- ms
+local last_error = ARGV[7]
+
+local deadline = redis.call('ZSCORE', processing_key, id)
+if redis.call('HGET', owners_key, id) ~= owner or not deadline or tonumber(deadline) > now then return 0 end
 release(id)
-if ARGV[5] ~= '' then redis.call('HSET', B, id, ARGV[5]) end
-if ARGV[4] == 'retry' then
-  redis.call('HSET', E, id, ARGV[7])
-  requeue(id, tonumber(ARGV[6]), now)
+if body ~= '' then redis.call('HSET', bodies_key, id, body) end
+if action == 'retry' then
+  redis.call('HSET', errors_key, id, last_error)
+  requeue(id, due, now)
 else
-  fail(id, now, ARGV[7])
+  fail(id, now, last_error)
 end
 return 1
