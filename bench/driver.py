@@ -70,7 +70,7 @@ def dispatch(mode: str, n: int) -> dict:
         from django_jobs import Jobs
 
         t0 = time.perf_counter()
-        ids = Jobs.bulk([benchjobs.noop_job.using().build() for _ in range(n)])
+        ids = Jobs.bulk([benchjobs.noop_job.builder() for _ in range(n)])
         elapsed = time.perf_counter() - t0
         return {"seconds": elapsed, "returned_ids": len(ids), "rows": model().objects.count()}
 

@@ -11,6 +11,7 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
+from django.utils.safestring import SafeString
 
 from . import dashboard, operations
 from .models import Job
@@ -33,18 +34,19 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.display(description="job", ordering="name")
     def label(self, obj: Job) -> str:
-        return obj.name or obj.handler
+        label: str = obj.name or obj.handler
+        return label
 
     @admin.display(description="runs", ordering="attempts")
     def runs(self, obj: Job) -> str:
         return f"{obj.attempts} / {obj.max_retries + 1}"
 
     @admin.display(description="last error")
-    def last_error_display(self, obj: Job) -> str:
+    def last_error_display(self, obj: Job) -> SafeString:
         return format_html('<pre style="white-space: pre-wrap">{}</pre>', obj.last_error or "—")
 
     @admin.display(description="payload")
-    def payload_display(self, obj: Job) -> str:
+    def payload_display(self, obj: Job) -> SafeString:
         return format_html("<pre>{}</pre>", json.dumps(obj.payload, indent=2, ensure_ascii=False))
 
     def get_readonly_fields(self, request: HttpRequest, obj: Job | None = None) -> list[str]:
@@ -86,4 +88,5 @@ class JobAdmin(admin.ModelAdmin):
         return super().changelist_view(request, extra)
 
     def has_retry_permission(self, request: HttpRequest) -> bool:
-        return request.user.has_perm("django_jobs.change_job")
+        allowed: bool = request.user.has_perm("django_jobs.change_job")
+        return allowed

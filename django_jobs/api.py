@@ -5,9 +5,10 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypedDict, TypeVar, Unpack, overload
 
 from django.utils import timezone
 
@@ -18,20 +19,55 @@ from .envelope import Envelope, dumps_payload, new_id
 from .exceptions import InvalidPayload, UnknownQueue
 from .retry import MAX_DELAY_SECONDS, RetryPolicy, check_delay
 
+if TYPE_CHECKING:
+    from .pipeline import JobContext
+
 # A JSON-escaped U+0000: "\u0000" after an even number of backslashes.
 _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-OPTION_NAMES = ("queue", "priority", "max_retries", "timeout", "delay", "scheduled_at",
-                "idempotency_key", "name", "backend", "backoff", "retry_on", "single_instance")
+
+class BackoffOptions(TypedDict, total=False):
+    """A job's own retry policy (``backoff=``), over the global ``RETRY_BACKOFF_*`` settings."""
+
+    strategy: Literal["none", "fixed", "exponential", "full_jitter"]
+    base: float
+    multiplier: float
+    max: float
+    jitter: bool
+
+
+class JobOptions(TypedDict, total=False):
+    """The options ``@job(...)``, ``using(...)`` and ``JobBuilder.options(...)`` take by keyword.
+
+    ``None`` is accepted where it leaves the option unset (``timeout=None`` is kept: the
+    worker's ``DEFAULT_TIMEOUT`` applies). Unknown names raise ``TypeError`` at run time too.
+    """
+
+    queue: str | None
+    priority: int | None
+    max_retries: int
+    timeout: float | None
+    delay: float | timedelta | None
+    scheduled_at: datetime
+    idempotency_key: str | None
+    name: str | None
+    backend: str | None
+    backoff: BackoffOptions
+    # A list or tuple, not any sequence: a str would be taken letter by letter.
+    retry_on: list[type[BaseException] | str] | tuple[type[BaseException] | str, ...]
+    single_instance: bool | None
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(JobOptions.__annotations__)
 
 
 class JobBuilder:
     """A job being defined: chain options, then ``dispatch()``. Immutable steps are not needed:
     a builder is cheap, build a new one per job."""
 
-    def __init__(self, handler: str, payload: Any = None) -> None:
+    def __init__(self, handler: str, payload: object = None) -> None:
         self._handler = handler
         # No payload is an empty object: every backend stores JSON, and the Job table's column
         # is not nullable.
@@ -81,7 +117,7 @@ class JobBuilder:
     def named(self, name: str) -> JobBuilder:
         return self._set(name=name)
 
-    def backoff(self, **policy: Any) -> JobBuilder:
+    def backoff(self, **policy: Unpack[BackoffOptions]) -> JobBuilder:
         """This job's own retry policy: ``strategy``, ``base``, ``multiplier``, ``max``, ``jitter``."""
         unknown = set(policy) - {"strategy", "base", "multiplier", "max", "jitter"}
         if unknown:
@@ -104,12 +140,13 @@ class JobBuilder:
         """Never run two jobs of this handler at once; a second delivery waits."""
         return self._set(single_instance=enabled)
 
-    def options(self, **values: Any) -> JobBuilder:
+    def options(self, **values: Unpack[JobOptions]) -> JobBuilder:
         """Set several options by keyword (``queue=``, ``priority=``, ... as in ``using()``)."""
         unknown = set(values) - set(OPTION_NAMES)
         if unknown:
             raise TypeError(f"unknown job option(s): {', '.join(sorted(unknown))}")
-        for key, value in values.items():
+        given: Mapping[str, Any] = values  # typed by JobOptions; routed to the setters below by name
+        for key, value in given.items():
             if key == "retry_on":
                 self.retry_on(*value)
             elif key == "backoff":
@@ -167,7 +204,7 @@ class JobBuilder:
 
 
 def _available_at(opts: dict[str, Any]) -> datetime | None:
-    now = timezone.now()
+    now: datetime = timezone.now()
     if opts.get("scheduled_at") is not None:
         # Checked again here: a builder may be dispatched long after scheduled_at() was called.
         return _check_schedule(opts["scheduled_at"], now)
@@ -177,7 +214,7 @@ def _available_at(opts: dict[str, Any]) -> datetime | None:
     return now + timedelta(seconds=_delay_seconds(delay))
 
 
-def _delay_seconds(delay: Any) -> float:
+def _delay_seconds(delay: float | timedelta) -> float:
     """A ``delay`` option in seconds: finite, not negative, at most ``MAX_DELAY_SECONDS``."""
     return check_delay(delay.total_seconds() if isinstance(delay, timedelta) else delay, "delay")
 
@@ -196,7 +233,7 @@ def _check_schedule(when: datetime, now: datetime) -> datetime:
 IDEMPOTENCY_KEY_MAX_LENGTH = 255
 
 
-def _check_idempotency_key(key: Any) -> None:
+def _check_idempotency_key(key: object) -> None:
     if key is None:
         return
     if not isinstance(key, str):
@@ -211,8 +248,10 @@ class Jobs:
     """Entry points: ``Jobs.define(handler, payload)``, ``Jobs.bulk(...)``, ``Jobs.backend()``."""
 
     @staticmethod
-    def define(handler: str, payload: Any = None) -> JobBuilder:
-        """Start defining a job for ``handler`` (a ``JOBS["HANDLERS"]`` key or ``@job`` path)."""
+    def define(handler: str, payload: object = None) -> JobBuilder:
+        """Start defining a job for ``handler`` (a ``JOBS["HANDLERS"]`` key or ``@job`` path).
+
+        ``payload`` is any JSON value; none (``None``) is sent as an empty object, ``{}``."""
         return JobBuilder(handler, payload)
 
     @staticmethod
@@ -234,9 +273,12 @@ class Jobs:
 
 
 class JobFunction(Generic[P, R]):
-    """A function registered by ``@job``: still callable directly, plus ``dispatch()``."""
+    """A function registered by ``@job``: still callable directly, plus ``dispatch()``.
 
-    def __init__(self, func: Callable[P, R], options: dict[str, Any]) -> None:
+    It keeps the function's signature: ``dispatch()``, ``builder()`` and a direct call take the
+    function's own arguments, and a direct call returns what the function returns."""
+
+    def __init__(self, func: Callable[P, R], options: JobOptions) -> None:
         functools.update_wrapper(self, func)
         self.func = func
         self.key = f"{func.__module__}.{func.__qualname__}"
@@ -246,20 +288,26 @@ class JobFunction(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.func(*args, **kwargs)
 
-    def handle(self, context: Any) -> Any:
+    def handle(self, context: JobContext) -> R:
         payload = context.payload
         if not isinstance(payload, dict) or not isinstance(payload.get("args", []), list) \
                 or not isinstance(payload.get("kwargs", {}), dict):
             raise InvalidPayload("a @job payload must be {'args': [...], 'kwargs': {...}}")
         return self.func(*payload.get("args", []), **payload.get("kwargs", {}))
 
-    def using(self, **options: Any) -> BoundJob[P, R]:
+    def using(self, **options: Unpack[JobOptions]) -> BoundJob[P, R]:
         """Override options for one dispatch: ``queue``, ``priority``, ``max_retries``,
         ``timeout``, ``delay``, ``scheduled_at``, ``idempotency_key``, ``name``, ``backend``."""
         return BoundJob(self, {**self.defaults, **options})
 
+    def builder(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
+        """A :class:`JobBuilder` for this call, not yet sent (e.g. for ``Jobs.bulk``)."""
+        return self.using().builder(*args, **kwargs)
+
     def build(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
-        return self.using().build(*args, **kwargs)
+        """Deprecated: ``builder()``. (``JobBuilder.build()`` returns an envelope, not a builder.)"""
+        _warn_build_renamed()
+        return self.builder(*args, **kwargs)
 
     def dispatch(self, *args: P.args, **kwargs: P.kwargs) -> str:
         """Enqueue a call; returns the job id."""
@@ -269,23 +317,51 @@ class JobFunction(Generic[P, R]):
 class BoundJob(Generic[P, R]):
     """A ``@job`` function with per-dispatch options (from ``using()``)."""
 
-    def __init__(self, function: JobFunction[P, R], options: dict[str, Any]) -> None:
+    def __init__(self, function: JobFunction[P, R], options: JobOptions) -> None:
         self.function, self.options = function, options
 
-    def build(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
-        """A builder for this call, e.g. for ``Jobs.bulk``."""
+    def builder(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
+        """A :class:`JobBuilder` for this call, not yet sent (e.g. for ``Jobs.bulk``)."""
         builder = JobBuilder(self.function.key, {"args": list(args), "kwargs": kwargs})
-        return builder.options(**{"name": self.function.key, **self.options})
+        options: JobOptions = {"name": self.function.key, **self.options}
+        return builder.options(**options)
+
+    def build(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
+        """Deprecated: ``builder()``. (``JobBuilder.build()`` returns an envelope, not a builder.)"""
+        _warn_build_renamed()
+        return self.builder(*args, **kwargs)
 
     def dispatch(self, *args: P.args, **kwargs: P.kwargs) -> str:
-        return self.build(*args, **kwargs).dispatch()
+        """Enqueue a call; returns the job id."""
+        return self.builder(*args, **kwargs).dispatch()
 
 
-def job(func: Callable[P, R] | None = None, **options: Any) -> Any:
+def _warn_build_renamed() -> None:
+    warnings.warn(
+        "a @job function's build() is renamed builder() (it returns a JobBuilder); "
+        "build() will be removed in the next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+@overload
+def job(func: Callable[P, R], /) -> JobFunction[P, R]: ...
+
+
+@overload
+def job(func: None = None, /, **options: Unpack[JobOptions]) -> Callable[[Callable[P, R]], JobFunction[P, R]]: ...
+
+
+def job(
+    func: Callable[P, R] | None = None, **options: Unpack[JobOptions]
+) -> JobFunction[P, R] | Callable[[Callable[P, R]], JobFunction[P, R]]:
     """Register a function as a job handler (under its dotted path). Bare ``@job`` works too.
 
-    Options are the builder's: ``queue``, ``priority``, ``max_retries``, ``timeout``,
-    ``backoff`` (dict), ``retry_on`` (exception classes), ``single_instance``, ``backend``, ``name``.
+    Options are :class:`JobOptions`, the builder's: ``queue``, ``priority``, ``max_retries``,
+    ``timeout``, ``backoff`` (dict), ``retry_on`` (exception classes), ``single_instance``,
+    ``backend``, ``name``. The result keeps the function's signature, so a type checker checks
+    ``dispatch()`` arguments against it and a misspelled option.
     """
     unknown = set(options) - set(OPTION_NAMES)
     if unknown:

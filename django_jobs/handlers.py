@@ -9,13 +9,16 @@ import shlex
 import socket
 import ssl
 import subprocess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from django.core.management import call_command
 
 from . import conf
 from .exceptions import HandlerNotAllowed, InvalidPayload
+
+if TYPE_CHECKING:
+    from .pipeline import JobContext
 
 
 class CommandHandler:
@@ -27,7 +30,7 @@ class CommandHandler:
     someone listed it.
     """
 
-    def handle(self, context: Any) -> None:
+    def handle(self, context: JobContext) -> None:
         payload = context.payload
         options: dict[str, Any] = {}
         if isinstance(payload, str):
@@ -50,7 +53,7 @@ class ShellHandler:
     exactly; empty (the default) permits nothing.
     """
 
-    def handle(self, context: Any) -> str:
+    def handle(self, context: JobContext) -> str:
         payload = context.payload
         argv = shlex.split(payload) if isinstance(payload, str) else payload
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
@@ -74,7 +77,7 @@ class UrlHandler:
     the attempt.
     """
 
-    def handle(self, context: Any) -> int:
+    def handle(self, context: JobContext) -> int:
         payload = context.payload
         spec = {"url": payload} if isinstance(payload, str) else payload
         if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):

@@ -79,4 +79,5 @@ class IdempotencyGuard:
             self.cache.delete(full)
 
     def is_done(self, key: str) -> bool:
-        return self.cache.get(self.cache_key(key)) == DONE
+        marker: object = self.cache.get(self.cache_key(key))
+        return marker == DONE

@@ -12,11 +12,14 @@ that reports failure without an exception (``DatabaseCache`` turns database erro
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 from django.core.cache import caches
 
 from . import conf
+
+if TYPE_CHECKING:
+    from django.core.cache.backends.base import BaseCache
 
 # Longest key (after its fixed prefix) kept readable: with the prefix, Django's KEY_PREFIX and
 # version, it stays far within memcached's 250 bytes and DatabaseCache's 255 characters.
@@ -39,11 +42,11 @@ def cache_key(prefix: str, key: str) -> str:
     return prefix + HASHED + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _cache():  # type: ignore[no-untyped-def]
+def _cache() -> BaseCache:
     return caches[conf.get("IDEMPOTENCY_CACHE")]
 
 
-def add_or_raise(cache: Any, key: str, value: str, ttl: int) -> bool:
+def add_or_raise(cache: BaseCache, key: str, value: str, ttl: int) -> bool:
     """``cache.add``: ``True`` when stored, ``False`` when the key is held. Raises
     :class:`CacheRefused` when the add fails although nothing holds the key."""
     for _ in range(3):  # a holder may expire or release the key between our add and get

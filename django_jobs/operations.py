@@ -58,7 +58,8 @@ def job_aliases() -> list[str]:
 
 def purge(status: str, queue: str | None = None, before: timedelta | None = None, dry_run: bool = False) -> int:
     """Delete finished jobs (``completed`` or ``failed``), optionally older than ``before``."""
-    if status not in (JobStatus.COMPLETED, JobStatus.FAILED):
+    # JobStatus members are str; without Django's stubs mypy sees their (value, label) tuples.
+    if status not in (JobStatus.COMPLETED, JobStatus.FAILED):  # type: ignore[comparison-overlap]
         raise ValueError("only completed or failed jobs can be purged")
     total = 0
     for alias in job_aliases():
@@ -68,7 +69,7 @@ def purge(status: str, queue: str | None = None, before: timedelta | None = None
         if before is not None:
             jobs = jobs.filter(finished_at__lt=timezone.now() - before)
         total += jobs.count() if dry_run else jobs.delete()[0]
-    if status == JobStatus.FAILED and not dry_run:
+    if status == JobStatus.FAILED and not dry_run:  # type: ignore[comparison-overlap]
         # Brokers keep their own failed set too (the Job rows above are their audit copies).
         for name in conf.get("BACKENDS") or {}:
             for q in [queue] if queue else conf.queues():

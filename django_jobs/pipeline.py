@@ -23,11 +23,11 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Any, ParamSpec
 
 from django.utils import timezone
 
@@ -43,6 +43,8 @@ from .retry import has_retries_left, may_run, policy_for
 from .timeouts import HARD_TIMEOUT_GRACE, time_limit
 
 logger = logging.getLogger("django_jobs.worker")
+
+_P = ParamSpec("_P")
 
 # Failures that no retry can fix.
 PERMANENT_ERRORS = (BadSignature, HandlerNotAllowed, InvalidPayload)
@@ -128,7 +130,7 @@ class Delivery:
 
     lease: Lease
     env: Envelope
-    handler: Any
+    handler: registry.Handler
     pid: int = field(default_factory=os.getpid)  # the process that claimed it, and alone settles it
     keep_alive: list[Callable[[], None]] = field(default_factory=list)  # renewed with the lease
     on_success: list[Callable[[], None]] = field(default_factory=list)  # before the ack
@@ -344,7 +346,7 @@ class DeliveryPipeline:
             seconds=verdict.seconds,
         )
 
-    def _tell_backend(self, lease: Lease, verdict: Verdict, on_success: Any, retries: tuple[float, ...]) -> None:
+    def _tell_backend(self, lease: Lease, verdict: Verdict, on_success: Iterable[Callable[[], None]], retries: tuple[float, ...]) -> None:
         outcome, count_run = verdict.outcome, verdict.count_run
         if outcome is Outcome.ACKED:
             for hook in on_success:  # before the ack: if the ack finds the lease lost, the redelivery is skipped
@@ -359,7 +361,7 @@ class DeliveryPipeline:
         else:  # DEAD_LETTERED or REJECTED
             self._retrying(self.backend.abandon, retries, lease, verdict.error or "", count_run=count_run)
 
-    def _retrying(self, action: Callable[..., None], pauses: tuple[float, ...], *args: Any, **kwargs: Any) -> None:
+    def _retrying(self, action: Callable[_P, None], pauses: tuple[float, ...], *args: _P.args, **kwargs: _P.kwargs) -> None:
         """Settle, retrying a transient backend error a few times within the lease."""
         for pause in pauses:
             try:
@@ -451,4 +453,5 @@ def _quietly(action: Callable[[], Any], what: str) -> None:
 
 
 def _since(moment: datetime) -> float:
-    return max((timezone.now() - moment).total_seconds(), 0.0)
+    elapsed: timedelta = timezone.now() - moment
+    return max(elapsed.total_seconds(), 0.0)

@@ -15,12 +15,16 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from django.db import connections
 
 from . import backends
 from .worker import QueueWorker, WorkerResult
+
+if TYPE_CHECKING:
+    from multiprocessing.sharedctypes import Synchronized
+    from types import FrameType
 
 logger = logging.getLogger("django_jobs.worker")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -36,7 +40,7 @@ class SharedBudget:
     """``--max N`` shared by every process: a job is counted before it is fetched."""
 
     def __init__(self, total: int) -> None:
-        self.left = multiprocessing.get_context("fork").Value("q", total)
+        self.left: Synchronized[int] = multiprocessing.get_context("fork").Value("q", total)
 
     def take(self) -> bool:
         with self.left.get_lock():
@@ -51,6 +55,15 @@ class SharedBudget:
 
     def exhausted(self) -> bool:
         return self.left.value <= 0
+
+
+class _RunOptions(TypedDict):
+    """What each process's ``QueueWorker.run`` is given, besides the shared budget."""
+
+    max_time: float | None
+    once: bool
+    sleep: float | None
+    on_result: Callable[[WorkerResult], None] | None
 
 
 class WorkerPool:
@@ -71,9 +84,9 @@ class WorkerPool:
             raise ValueError("concurrency must be at least 1")
         self.make_worker = make_worker
         self.concurrency = concurrency
-        self.run_options: dict[str, Any] = {"max_time": max_time, "once": once, "sleep": sleep, "on_result": on_result}
+        self.run_options: _RunOptions = {"max_time": max_time, "once": once, "sleep": sleep, "on_result": on_result}
         self.budget = SharedBudget(max_jobs) if max_jobs is not None else None
-        self.children: dict[int, Any] = {}
+        self.children: dict[int, tuple[int, Synchronized[int], float]] = {}  # pid -> slot, state, start
         self.stopping = False
         self._worker: QueueWorker | None = None
 
@@ -82,7 +95,7 @@ class WorkerPool:
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stopping = True
         if self._worker is not None:  # in a child
             self._worker.stop()

@@ -7,9 +7,10 @@ A message can never name an arbitrary import path: anything not registered here 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from functools import lru_cache
 from importlib import import_module
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
@@ -18,11 +19,15 @@ from django.utils.module_loading import autodiscover_modules, import_string
 from . import conf
 from .exceptions import HandlerNotAllowed
 
+if TYPE_CHECKING:
+    from .pipeline import JobContext
+
 
 class Handler(Protocol):
-    """What a worker runs. ``can_retry`` is optional and has the last word on retries."""
+    """What a worker runs: ``handle(context)``, whose return value is ignored. A handler may also
+    define ``can_retry(attempt, error) -> bool``, which has the last word on retries."""
 
-    def handle(self, context: Any) -> Any: ...
+    def handle(self, context: JobContext) -> object: ...
 
 
 _registered: dict[str, Handler] = {}
@@ -38,17 +43,17 @@ def registered() -> dict[str, Handler]:
 
 
 @lru_cache(maxsize=256)
-def _load(path: str) -> Any:
+def _load(path: str) -> object:
     return import_string(path)
 
 
 class _FunctionHandler:
     """Adapts a plain ``def handler(context)`` named in ``JOBS["HANDLERS"]``."""
 
-    def __init__(self, func: Any) -> None:
+    def __init__(self, func: Callable[[JobContext], object]) -> None:
         self.func = func
 
-    def handle(self, context: Any) -> Any:
+    def handle(self, context: JobContext) -> object:
         return self.func(context)
 
 
@@ -69,10 +74,13 @@ def resolve(key: str, queue: str) -> Handler:
         raise HandlerNotAllowed(f"handler {key!r} points to {path!r}, which cannot be imported: {exc}") from exc
     if inspect.isclass(target):
         try:
-            return target()  # type: ignore[no-any-return,return-value]
+            return cast(Handler, target())
         except Exception as exc:
             raise HandlerNotAllowed(f"handler {key!r} ({path}) cannot be instantiated: {exc!r}") from exc
-    return target if hasattr(target, "handle") else _FunctionHandler(target)
+    # What a setting names is trusted to be a handler object or a handler(context) function.
+    if hasattr(target, "handle"):
+        return cast(Handler, target)
+    return _FunctionHandler(cast("Callable[[JobContext], object]", target))
 
 
 def queue_allowlist(queue: str) -> list[str] | None:

@@ -17,7 +17,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 from . import conf
 from .backends import get_backend
@@ -37,12 +37,20 @@ EXIT_HARD_TIMEOUT = 75
 MAX_OUTAGE_PAUSE = 30.0
 
 
+class Budget(Protocol):
+    """Tickets shared by the processes of a pool (:class:`~django_jobs.pool.SharedBudget`)."""
+
+    def take(self) -> bool: ...
+
+    def give_back(self) -> None: ...
+
+
 class RunLimits:
     """What ends :meth:`QueueWorker.run`: ``max_jobs``, ``max_time`` and the budget a pool's
     processes share. A delivery takes a ticket before its fetch and gives it back when nothing
     came, so ``--max N`` across processes runs exactly N jobs."""
 
-    def __init__(self, max_jobs: int | None, max_time: float | None, once: bool, budget: Any) -> None:
+    def __init__(self, max_jobs: int | None, max_time: float | None, once: bool, budget: Budget | None) -> None:
         self.max_jobs, self.once, self.budget = max_jobs, once, budget
         self.deadline = time.monotonic() + max_time if max_time else None
         self.done = 0
@@ -133,7 +141,7 @@ class QueueWorker:
         max_time: float | None = None,
         once: bool = False,
         sleep: float | None = None,
-        budget: Any = None,
+        budget: Budget | None = None,
         on_result: Callable[[WorkerResult], None] | None = None,
         reap: bool = True,
     ) -> int:

@@ -1,4 +1,4 @@
-"""The public dispatch API (SPEC 3) and the per-job run options, with the worker run in-process."""
+"""The public dispatch API and the per-job run options, with the worker run in-process."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_jobs import Jobs
+from django_jobs import JobBuilder, Jobs, job
 from django_jobs.exceptions import UnknownQueue
 from django_jobs.handlers import ShellHandler
 from django_jobs.models import Job
@@ -144,6 +144,33 @@ def test_job_function_stays_directly_callable():
     assert Job.objects.count() == 0  # and nothing was queued
 
 
+def test_unknown_options_raise_type_error_at_run_time_too():
+    with pytest.raises(TypeError, match="unknown @job option.*queu"):
+        job(queu="emails")
+    with pytest.raises(TypeError, match="unknown job option.*priorty"):
+        scripted.using(priorty=5).dispatch(action="ok")
+    with pytest.raises(TypeError, match="unknown job option.*nope"):
+        Jobs.define("command").options(nope=1)
+    assert Job.objects.count() == 0
+
+
+def test_builder_returns_an_unsent_builder_and_build_is_its_deprecated_name():
+    builder = scripted.using(priority=2).builder("ok", key="b")
+    assert isinstance(builder, JobBuilder)
+    env = builder.build()  # JobBuilder.build() is the envelope
+    assert (env.handler, env.name, env.priority) == (scripted.key, scripted.key, 2)
+    assert env.payload == {"args": ["ok"], "kwargs": {"key": "b"}}
+    assert isinstance(bare_job.builder(3), JobBuilder)
+    with pytest.warns(DeprecationWarning, match=r"builder\(\)") as warned:
+        old = scripted.using(priority=2).build("ok", key="b")
+    assert warned[0].filename == __file__  # points at the caller
+    assert isinstance(old, JobBuilder) and old.build().payload == env.payload
+    with pytest.warns(DeprecationWarning, match=r"builder\(\)") as warned:
+        assert isinstance(bare_job.build(3), JobBuilder)
+    assert warned[0].filename == __file__
+    assert Job.objects.count() == 0
+
+
 def test_scripted_payload_round_trips_through_the_worker(backend):
     job_id = scripted.using(backend=backend).dispatch("ok", key="rt")
     assert row(backend, job_id).payload == {"args": ["ok"], "kwargs": {"key": "rt"}}
@@ -160,7 +187,7 @@ def test_scripted_payload_round_trips_through_the_worker(backend):
 def test_bulk_inserts_many_rows_with_one_insert(backend, count, request):
     if backend == "pg":
         request.getfixturevalue("postgres_up")
-    builders = [scripted.using(priority=i % 3).build("ok", key=f"bulk-{i}") for i in range(count - 1)]
+    builders = [scripted.using(priority=i % 3).builder("ok", key=f"bulk-{i}") for i in range(count - 1)]
     builders.append(Jobs.define("command", "clearsessions").queue("other"))
     with CaptureQueriesContext(connections[alias(backend)]) as queries:
         ids = Jobs.bulk(builders, backend=backend)

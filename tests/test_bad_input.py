@@ -252,7 +252,7 @@ def test_non_json_payload_is_refused_at_dispatch(backend, kind):
     with pytest.raises(InvalidPayload):
         scripted.using(backend=backend).dispatch(action=value)
     with pytest.raises(InvalidPayload):
-        Jobs.bulk([scripted.using().build(action="ok"), scripted.using().build(action=value)], backend=backend)
+        Jobs.bulk([scripted.using().builder(action="ok"), scripted.using().builder(action=value)], backend=backend)
     # Nothing was inserted, not even the good half of the batch.
     assert Job.objects.using(alias(backend)).count() == 0
 

@@ -100,7 +100,7 @@ def dispatch(action: str, *, key: str, lease_timeout: float | None = None, **opt
 def envelope(**options: Any) -> Envelope:
     """A signed envelope for the beanstalk backend, recording runs under ``key`` in ``default``."""
     kwargs = {k: options.pop(k) for k in ("action", "key", "seconds") if k in options}
-    return scripted.using(backend="beanstalk", **options).build(**{"action": "ok", **kwargs}).build()
+    return scripted.using(backend="beanstalk", **options).builder(**{"action": "ok", **kwargs}).build()
 
 
 @pytest.fixture
@@ -300,7 +300,7 @@ def test_workers_survive_a_beanstalkd_kill_and_binlog_restart_and_no_job_is_lost
             try:
                 assert backend.address == (host, port)
                 builders = [
-                    scripted.using(backend="beanstalk", max_retries=5, backoff=NO_BACKOFF).build(
+                    scripted.using(backend="beanstalk", max_retries=5, backoff=NO_BACKOFF).builder(
                         action="sleep" if i % 2 else "ok", key=f"{prefix}-{i}", db=PG, seconds=0.05
                     )
                     for i in range(total)

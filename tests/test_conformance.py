@@ -75,7 +75,7 @@ def make_env(
     """A signed envelope for the scripted test job, built through the public @job API."""
     # Backoff "none" keeps retries due immediately, so tests drive retries without waiting.
     options.setdefault("backoff", {"strategy": "none"})
-    return scripted.using(queue=queue, **options).build(action=action, key=key, db=case.side_effect_db).build()
+    return scripted.using(queue=queue, **options).builder(action=action, key=key, db=case.side_effect_db).build()
 
 
 def runs(case: BackendCase, key: str) -> int:
@@ -144,7 +144,7 @@ def test_fetch_returns_the_envelope_as_sent_with_a_valid_signature(queue_backend
             retry_on=[RuntimeError],
             single_instance=True,
         )
-        .build(action="ok", key=None, db=backend_case.side_effect_db, nested={"l": [1, 2.5, None, True], "s": "é☃"})
+        .builder(action="ok", key=None, db=backend_case.side_effect_db, nested={"l": [1, 2.5, None, True], "s": "é☃"})
         .build()
     )
     queue_backend.enqueue(sent)

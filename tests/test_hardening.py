@@ -67,7 +67,7 @@ def test_a_requeue_without_a_run_keeps_the_last_error():
 
 @pytest.mark.django_db
 def test_rotating_secret_key_keeps_queued_jobs_valid_through_secret_key_fallbacks():
-    env = scripted.using().build(action="ok").build()
+    env = scripted.using().builder(action="ok").build()
     with override_settings(SECRET_KEY="a-brand-new-secret-key", SECRET_KEY_FALLBACKS=[settings.SECRET_KEY]):
         signing.verify(env)  # signed with the old key, still accepted
     with override_settings(SECRET_KEY="a-brand-new-secret-key", SECRET_KEY_FALLBACKS=[]):

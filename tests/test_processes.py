@@ -72,7 +72,7 @@ def test_three_worker_processes_run_3000_jobs_exactly_once():
         for worker in workers:
             worker.wait_started()
         ids = Jobs.bulk(
-            [scripted.using(backend="pg").build(action="ok", key=f"{prefix}-{i}", db=PG) for i in range(total)],
+            [scripted.using(backend="pg").builder(action="ok", key=f"{prefix}-{i}", db=PG) for i in range(total)],
             backend="pg",
         )
         assert len(set(ids)) == total
@@ -114,7 +114,7 @@ def test_concurrency_option_forks_processes_that_share_the_queue():
         worker = procs.worker("--backend", "pg", "--concurrency", "3", env=worker_env())
         assert "concurrency=3" in worker.wait_started()
         ids = Jobs.bulk(
-            [scripted.using(backend="pg").build(action="ok", key=f"{prefix}-{i}", db=PG) for i in range(total)],
+            [scripted.using(backend="pg").builder(action="ok", key=f"{prefix}-{i}", db=PG) for i in range(total)],
             backend="pg",
         )
         wait_until(lambda: settled(*ids), 45, f"{total} settled jobs")

@@ -83,7 +83,7 @@ def make_env(
     """A signed envelope of the scripted job; ``options`` go to ``using()``, ``payload`` to the call."""
     options.setdefault("backoff", NO_BACKOFF)
     job = scripted.using(queue=queue, backend="servicebus", **options)
-    return job.build(action=action, key=key, **(payload or {})).build()
+    return job.builder(action=action, key=key, **(payload or {})).build()
 
 
 def send(backend: ServiceBusBackend, **kwargs: Any) -> Envelope:

@@ -30,7 +30,7 @@ def enqueue_djjobs(n: int, mode: str) -> dict:
     backend.client.ping()  # connect and register the scripts before timing
     t0 = time.perf_counter()
     if mode == "bulk":
-        Jobs.bulk([noop.build() for _ in range(n)])
+        Jobs.bulk([noop.builder() for _ in range(n)])
     else:
         for _ in range(n):
             noop.dispatch()

@@ -31,7 +31,7 @@ from peers.djjobs_tasks import noop
 
 def fill(n: int) -> None:
     redis_client().flushdb()
-    Jobs.bulk([noop.build() for _ in range(n)])
+    Jobs.bulk([noop.builder() for _ in range(n)])
 
 
 def main() -> None:

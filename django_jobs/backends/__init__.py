@@ -36,7 +36,7 @@ def require(module: str, extra: str) -> Any:
 
 
 def backend_config(name: str) -> dict[str, Any]:
-    backends = conf.get("BACKENDS") or {}
+    backends: dict[str, dict[str, Any]] = conf.get("BACKENDS") or {}
     if name not in backends:
         raise ImproperlyConfigured(f"no backend named {name!r} in JOBS['BACKENDS'] (known: {', '.join(backends)})")
     return backends[name]
@@ -46,7 +46,8 @@ def engine_class(engine: str) -> type[QueueBackend]:
     path = ENGINES.get(engine, engine)
     if "." not in path:
         raise ImproperlyConfigured(f"unknown backend ENGINE {engine!r}; use one of {', '.join(ENGINES)} or a dotted path")
-    return import_string(path)
+    backend_class: type[QueueBackend] = import_string(path)
+    return backend_class
 
 
 def get_backend(name: str | None = None) -> QueueBackend:

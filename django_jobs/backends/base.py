@@ -165,8 +165,10 @@ class QueueBackend(ABC):
 
 def _atomic_alias() -> str | None:
     """The database alias whose transaction is open, preferring ``default``."""
-    if connections[DEFAULT_DB_ALIAS].in_atomic_block:
-        return DEFAULT_DB_ALIAS
+    default: str = DEFAULT_DB_ALIAS
+    if connections[default].in_atomic_block:
+        return default
+    alias: str
     for alias in connections:
         if alias != DEFAULT_DB_ALIAS and connections[alias].in_atomic_block:
             return alias

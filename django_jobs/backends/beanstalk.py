@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.utils import timezone
 
@@ -24,6 +24,9 @@ from ..exceptions import LeaseLost
 from . import require
 from ..reaper import LOST_RUN_BATCH, settle_lost_runs
 from .base import Lease, QueueBackend, decode_lease_body
+
+if TYPE_CHECKING:
+    from greenstalk import Client, Job
 
 greenstalk = require("greenstalk", "beanstalk")
 
@@ -36,9 +39,9 @@ class _Tube:
     """One connection per queue: only the connection that reserved a job may touch, delete or
     bury it, so the heartbeat thread shares it under the lock."""
 
-    client: Any
+    client: Client[bytes]
     lock: threading.Lock
-    stash: Any = None  # a job reserved by wait_for_work, handed out by the next fetch
+    stash: Job[bytes] | None = None  # a job reserved by wait_for_work, handed out by the next fetch
 
 
 class BeanstalkBackend(QueueBackend):
@@ -108,7 +111,8 @@ class BeanstalkBackend(QueueBackend):
 
     @staticmethod
     def _ttr() -> int:
-        return max(1, math.ceil(conf.get("LEASE_TIMEOUT")))
+        lease_timeout: float = conf.get("LEASE_TIMEOUT")
+        return max(1, math.ceil(lease_timeout))
 
     def _put(self, tube: _Tube, envelope: Envelope, delay: float) -> int:
         priority = PRIORITY_ZERO - max(1 - PRIORITY_ZERO, min(PRIORITY_ZERO - 1, envelope.priority))
@@ -147,7 +151,8 @@ class BeanstalkBackend(QueueBackend):
         return None
 
     def _expiry(self) -> datetime:
-        return timezone.now() + timedelta(seconds=self._ttr())
+        now: datetime = timezone.now()
+        return now + timedelta(seconds=self._ttr())
 
     def _settle(self, lease: Lease, command: str) -> None:
         try:
@@ -192,7 +197,7 @@ class BeanstalkBackend(QueueBackend):
                     pass
         return True
 
-    def _tube_stats(self, queue: str) -> dict[str, Any]:
+    def _tube_stats(self, queue: str) -> Mapping[str, Any]:
         try:
             with self._using(queue) as tube:
                 return tube.client.stats_tube(self.tube_name(queue))

@@ -12,7 +12,7 @@ import json
 import secrets
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
-from typing import Any
+from typing import Any, cast
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.models import Count, Q
@@ -39,7 +39,7 @@ def _dt(value: Any) -> datetime | None:
         value = parse_datetime(value)
     if value is not None and timezone.is_naive(value):
         value = timezone.make_aware(value, dt_timezone.utc)
-    return value
+    return cast("datetime | None", value)
 
 
 def _row_fields(row: tuple[Any, ...], queue: str) -> dict[str, Any]:
@@ -246,16 +246,18 @@ class DatabaseBackend(QueueBackend):
         self._conn.close()
 
     def size(self, queue: str) -> int:
-        return Job.objects.using(self.alias).filter(
+        count: int = Job.objects.using(self.alias).filter(
             queue=queue, status__in=(JobStatus.PENDING, JobStatus.IN_PROGRESS)
         ).count()
+        return count
 
     def stats(self, queue: str) -> dict[str, int]:
         now = timezone.now()
         pending = Q(status=JobStatus.PENDING)
-        return Job.objects.using(self.alias).filter(queue=queue, backend=self.name).aggregate(
+        counts: dict[str, int] = Job.objects.using(self.alias).filter(queue=queue, backend=self.name).aggregate(
             pending=Count("id", filter=pending & Q(available_at__lte=now)),
             delayed=Count("id", filter=pending & Q(available_at__gt=now)),
             in_progress=Count("id", filter=Q(status=JobStatus.IN_PROGRESS)),
             failed=Count("id", filter=Q(status=JobStatus.FAILED)),
         )
+        return counts

@@ -8,12 +8,15 @@ permanent failure is recorded as a failed ``Job`` row, like every backend's.
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.utils import timezone
 
 from ..envelope import Envelope
 from .base import Lease, QueueBackend
+
+if TYPE_CHECKING:
+    from ..pipeline import DeliveryPipeline, WorkerResult
 
 
 class SyncBackend(QueueBackend):
@@ -23,8 +26,8 @@ class SyncBackend(QueueBackend):
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
-        self.last_results: list[Any] = []
-        self._pipeline: Any = None
+        self.last_results: list[WorkerResult] = []
+        self._pipeline: DeliveryPipeline | None = None
 
     def enqueue(self, envelope: Envelope) -> str:
         from ..pipeline import DeliveryPipeline  # the pipeline imports the backends package
