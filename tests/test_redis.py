@@ -105,7 +105,7 @@ def test_three_worker_processes_drain_3000_jobs_exactly_once(postgres_up, backen
         for worker in workers:
             worker.wait_started()
         ids = Jobs.bulk(
-            [scripted.using(backend="redis").build(action="ok", key=f"{prefix}-{i}", db=PG) for i in range(total)],
+            [scripted.using(backend="redis").builder(action="ok", key=f"{prefix}-{i}", db=PG) for i in range(total)],
             backend="redis",
         )
         assert len(set(ids)) == total
@@ -193,7 +193,7 @@ def test_reaped_message_without_backoff_is_ready_not_delayed(backend, raw):
     (SPEC 6: reap_expired is "same as database"; nack "straight back to waiting")."""
     k = backend.keys("default")
     for _ in range(20):
-        backend.enqueue(scripted.using(max_retries=3, backoff=NO_BACKOFF).build(action="ok").build())
+        backend.enqueue(scripted.using(max_retries=3, backoff=NO_BACKOFF).builder(action="ok").build())
     past_ms = (time.time() - 5) * 1000
     for _ in range(20):
         lease = backend.fetch("default")
@@ -233,7 +233,7 @@ def test_workers_survive_a_redis_restart(postgres_up, tmp_path, capsys):
             backend = get_backend("redis")
             assert backend.options["URL"] == server.url
             builders = [
-                scripted.using(backend="redis", max_retries=5, backoff=NO_BACKOFF).build(
+                scripted.using(backend="redis", max_retries=5, backoff=NO_BACKOFF).builder(
                     action="sleep" if i % 2 else "ok", key=f"{prefix}-{i}", db=PG, seconds=0.05
                 )
                 for i in range(total)
@@ -317,11 +317,11 @@ def test_garbage_in_redis_is_rejected_counted_and_kept_while_good_jobs_run(backe
     good_key, bad_key = unique("rgood"), unique("rbad")
 
     def good() -> str:
-        return backend.enqueue(scripted.using(backend="redis").build(action="ok", key=good_key).build())
+        return backend.enqueue(scripted.using(backend="redis").builder(action="ok", key=good_key).build())
 
     def bad_envelope() -> Envelope:
         # Would record a SideEffect under bad_key if it ever ran.
-        return scripted.using(backend="redis").build(action="ok", key=bad_key).build()
+        return scripted.using(backend="redis").builder(action="ok", key=bad_key).build()
 
     with override_settings(JOBS={**settings.JOBS, "SIGNING_KEY": "an attacker's key, not the workers'"}):
         forged = bad_envelope()
@@ -398,7 +398,7 @@ def test_abandon_records_a_failed_job_row_and_admin_retry_redispatches_to_redis(
     # Fails its first run (no retries left: dead-lettered), succeeds when run again.
     # enqueue(), not dispatch(): the test's own transaction would defer dispatch() to a commit
     # that never comes.
-    job_id = backend.enqueue(scripted.using(max_retries=0).build(action="flaky", key=key, fail_times=1).build())
+    job_id = backend.enqueue(scripted.using(max_retries=0).builder(action="flaky", key=key, fail_times=1).build())
     worker = QueueWorker("redis", ["default"])
 
     first = worker.process_once()
@@ -510,7 +510,7 @@ def test_cache_option_uses_the_django_redis_connection(redis_cache_settings, raw
     assert backend.client is get_redis_connection(CACHE_ALIAS)
 
     key = unique("rcache")
-    job_id = backend.enqueue(scripted.using().build(action="ok", key=key).build())  # dispatch() would wait for commit
+    job_id = backend.enqueue(scripted.using().builder(action="ok", key=key).build())  # dispatch() would wait for commit
     # Written through the cache's connection to the same server the raw client reads.
     assert raw.zscore(backend.keys("default").waiting, job_id) is not None
     result = QueueWorker("redis-cache", ["default"]).process_once()
@@ -524,7 +524,7 @@ def test_idempotency_on_a_django_redis_cache_skips_a_second_delivery(redis_cache
     run_key, idem = unique("ridem"), unique("idem-key")
     backend = get_backend("redis-cache")
     first, second = (
-        backend.enqueue(scripted.using(idempotency_key=idem).build(action="ok", key=run_key).build()) for _ in range(2)
+        backend.enqueue(scripted.using(idempotency_key=idem).builder(action="ok", key=run_key).build()) for _ in range(2)
     )
     worker = QueueWorker("redis-cache", ["default"])
 
@@ -589,7 +589,7 @@ def test_wait_for_work_wakes_when_a_job_is_enqueued(raw):
             3, "the waiter to block in BLPOP",
         )
         assert waiter.is_alive()
-        get_backend("redis").enqueue(scripted.using(backend="redis").build(action="ok").build())
+        get_backend("redis").enqueue(scripted.using(backend="redis").builder(action="ok").build())
         waiter.join(timeout=3)  # well under wait_for_work's own 5 s timeout
         assert not waiter.is_alive(), "wait_for_work did not wake on the enqueue"
         assert finished == [True]
@@ -601,7 +601,7 @@ def test_delayed_job_is_fetched_after_waiting_with_nothing_pushed(raw):
     backend = RedisBackend("redis", {"URL": settings.REDIS_URL, "PREFIX": settings.REDIS_PREFIX})
     try:
         k = backend.keys("default")
-        job_id = backend.enqueue(scripted.using(backend="redis", delay=0.3).build(action="ok").build())
+        job_id = backend.enqueue(scripted.using(backend="redis", delay=0.3).builder(action="ok").build())
         assert raw.zscore(k.delayed, job_id) is not None
         assert backend.fetch("default") is None, "not due yet"
         assert raw.llen(k.notify) == 0, "a delayed enqueue wakes nobody"
@@ -634,7 +634,7 @@ def test_delayed_job_is_fetched_after_waiting_with_nothing_pushed(raw):
 @pytest.mark.django_db
 def test_stats_and_size_count_waiting_delayed_in_progress_and_failed(backend):
     def env(**options: Any) -> Envelope:
-        return scripted.using(backend="redis", **options).build(action="ok").build()
+        return scripted.using(backend="redis", **options).builder(action="ok").build()
 
     for _ in range(4):
         backend.enqueue(env())
@@ -666,7 +666,7 @@ def test_stats_and_size_count_waiting_delayed_in_progress_and_failed(backend):
 @pytest.mark.django_db
 def test_purge_failed_forgets_failed_messages_and_keeps_younger_ones(backend, raw):
     k = backend.keys("default")
-    ids = [backend.enqueue(scripted.using(backend="redis").build(action="ok").build()) for _ in range(3)]
+    ids = [backend.enqueue(scripted.using(backend="redis").builder(action="ok").build()) for _ in range(3)]
     for _ in ids[:2]:
         lease = backend.fetch("default")
         assert lease is not None
