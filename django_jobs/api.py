@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import re
 import warnings
@@ -283,7 +284,22 @@ class JobFunction(Generic[P, R]):
         self.func = func
         self.key = f"{func.__module__}.{func.__qualname__}"
         self.defaults = options
+        self.signature = inspect.signature(func)
         registry.register(self.key, self)
+
+    def check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Refuse at dispatch what would only fail in the worker: arguments that do not fit the
+        function's signature, and a function no worker process can import by its dotted path."""
+        if "<locals>" in self.func.__qualname__ or self.func.__module__ == "__main__":
+            raise TypeError(
+                f"{self.key} cannot be dispatched: a worker imports jobs by their dotted path, and a "
+                "function defined inside another function or in __main__ has none; define it at the "
+                "top level of an app's jobs module or of a module listed in JOBS['IMPORTS']"
+            )
+        try:
+            self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.key}(): {exc}") from None
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.func(*args, **kwargs)
@@ -322,6 +338,7 @@ class BoundJob(Generic[P, R]):
 
     def builder(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
         """A :class:`JobBuilder` for this call, not yet sent (e.g. for ``Jobs.bulk``)."""
+        self.function.check_call(args, kwargs)
         builder = JobBuilder(self.function.key, {"args": list(args), "kwargs": kwargs})
         options: JobOptions = {"name": self.function.key, **self.options}
         return builder.options(**options)
