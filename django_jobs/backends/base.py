@@ -181,3 +181,27 @@ def decode_lease_body(raw: bytes | str) -> tuple[Envelope | None, InvalidPayload
         return Envelope.from_bytes(raw), None
     except InvalidPayload as exc:
         return None, exc
+
+
+class RequeueByCopy(QueueBackend):
+    """``nack`` for brokers whose messages cannot change (beanstalkd, Service Bus): prove the
+    lease is still ours (``extend``), send a copy with the new ``attempts`` due in ``delay``
+    seconds (``put_copy``), then settle the original (``ack``). A crash in between leaves two
+    copies: the job may run twice, it is never lost."""
+
+    def nack(self, lease: Lease, delay: float, *, error: str = "", count_run: bool = True) -> None:
+        env = lease.envelope
+        assert env is not None, "only a decoded message can be requeued"
+        self.extend(lease, self.lease_seconds())
+        self.put_copy(lease.queue, env.next_attempt() if count_run else env, max(delay, 0.0))
+        self.ack(lease, count_run=count_run)
+
+    @abstractmethod
+    def put_copy(self, queue: str, envelope: Envelope, delay: float) -> None:
+        """Send ``envelope`` to ``queue``, due in ``delay`` seconds."""
+
+    @staticmethod
+    def lease_seconds() -> float:
+        from .. import conf
+
+        return float(conf.get("LEASE_TIMEOUT"))

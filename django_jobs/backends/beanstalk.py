@@ -23,7 +23,7 @@ from ..envelope import Envelope
 from ..exceptions import LeaseLost
 from . import require
 from ..reaper import LOST_RUN_BATCH, settle_lost_runs
-from .base import Lease, QueueBackend, decode_lease_body
+from .base import Lease, RequeueByCopy, decode_lease_body
 
 if TYPE_CHECKING:
     from greenstalk import Client, Job
@@ -44,7 +44,7 @@ class _Tube:
     stash: Job[bytes] | None = None  # a job reserved by wait_for_work, handed out by the next fetch
 
 
-class BeanstalkBackend(QueueBackend):
+class BeanstalkBackend(RequeueByCopy):
     """Options: ``HOST`` (default 127.0.0.1), ``PORT`` (11300), ``PREFIX`` (tube name prefix)."""
 
     supports_priority = True
@@ -164,15 +164,10 @@ class BeanstalkBackend(QueueBackend):
     def ack(self, lease: Lease, *, count_run: bool = True) -> None:
         self._settle(lease, "delete")
 
-    def nack(self, lease: Lease, delay: float, *, error: str = "", count_run: bool = True) -> None:
-        # release cannot change the body: touch (still ours?), put a fresh copy, then delete the
-        # original. A crash in between duplicates the job; it never loses it.
-        env = lease.envelope
-        assert env is not None, "only a decoded message can be requeued"
-        self._settle(lease, "touch")
-        with self._using(lease.queue) as tube:
-            self._put(tube, env.next_attempt() if count_run else env, delay)
-        self._settle(lease, "delete")
+    def put_copy(self, queue: str, envelope: Envelope, delay: float) -> None:
+        # release cannot change the body: nack puts a fresh copy, then deletes the original.
+        with self._using(queue) as tube:
+            self._put(tube, envelope, delay)
 
     def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
         self._settle(lease, "bury")

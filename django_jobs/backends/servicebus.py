@@ -26,7 +26,7 @@ from ..envelope import Envelope
 from ..exceptions import InvalidPayload, LeaseLost
 from . import require
 from ..reaper import LOST_RUN_BATCH, settle_lost_runs
-from .base import Lease, QueueBackend, decode_lease_body
+from .base import Lease, RequeueByCopy, decode_lease_body
 
 require("azure.servicebus", "servicebus")
 
@@ -69,7 +69,7 @@ class _Held:
     message: Any
 
 
-class ServiceBusBackend(QueueBackend):
+class ServiceBusBackend(RequeueByCopy):
     """Options: ``CONNECTION_STRING``, or ``FULLY_QUALIFIED_NAMESPACE`` (``<name>.servicebus.windows.net``,
     authenticated by azure-identity's ``DefaultAzureCredential``); ``PREFIX`` (entity name prefix,
     default ``""``); ``RECEIVE_WAIT`` (seconds an empty fetch waits for a message, default 0.5);
@@ -304,18 +304,9 @@ class ServiceBusBackend(QueueBackend):
     def ack(self, lease: Lease, *, count_run: bool = True) -> None:
         self._settle(lease, "complete_message")
 
-    def nack(self, lease: Lease, delay: float, *, error: str = "", count_run: bool = True) -> None:
-        # A message's body cannot change: renew the lock (is it still ours?), send a copy
-        # scheduled at now + delay, then complete the original. A crash in between leaves two
-        # copies: the job may run twice, it is never lost.
-        env = lease.envelope
-        assert env is not None, "only a decoded message can be requeued"
-        self._settle(lease, "renew_message_lock")
-        again = replace(
-            env.next_attempt() if count_run else env, available_at=timezone.now() + timedelta(seconds=max(delay, 0))
-        )
-        self._send(lease.queue, [again])
-        self._settle(lease, "complete_message")
+    def put_copy(self, queue: str, envelope: Envelope, delay: float) -> None:
+        # A message's body cannot change: nack sends a copy scheduled at now + delay.
+        self._send(queue, [replace(envelope, available_at=timezone.now() + timedelta(seconds=delay))])
 
     def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
         reason = error.partition("\n")[0]
