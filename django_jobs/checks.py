@@ -82,36 +82,42 @@ def _dict(value: Any) -> str | None:
     return None if isinstance(value, dict) else f"must be a dict, not {conf.describe(value)}"
 
 
-def _backends(value: Any) -> str | None:
+def _mapping(value: Any, shape: str, entry: Callable[[Any, Any], str | None]) -> str | None:
+    """``value`` must be a dict (of ``shape``) whose every key and value pass ``entry``."""
     if not isinstance(value, dict):
-        return f"must be a dict of backend name -> {{'ENGINE': ..., 'OPTIONS': {{...}}}}, not {conf.describe(value)}"
-    for name, config in value.items():
-        if not isinstance(config, dict):
-            return f"[{name!r}] must be a dict with 'ENGINE' and 'OPTIONS', not {conf.describe(config)}"
-        if "ENGINE" in config and _name(config["ENGINE"]):
-            return f"[{name!r}]['ENGINE'] {_name(config['ENGINE'])}"
-        if config.get("OPTIONS") is not None and not isinstance(config["OPTIONS"], dict):
-            return f"[{name!r}]['OPTIONS'] must be a dict, not {conf.describe(config['OPTIONS'])}"
+        return f"must be a dict of {shape}, not {conf.describe(value)}"
+    return next((problem for key, item in value.items() if (problem := entry(key, item))), None)
+
+
+def _backend_entry(name: Any, config: Any) -> str | None:
+    if not isinstance(config, dict):
+        return f"[{name!r}] must be a dict with 'ENGINE' and 'OPTIONS', not {conf.describe(config)}"
+    if "ENGINE" in config and _name(config["ENGINE"]):
+        return f"[{name!r}]['ENGINE'] {_name(config['ENGINE'])}"
+    if config.get("OPTIONS") is not None and not isinstance(config["OPTIONS"], dict):
+        return f"[{name!r}]['OPTIONS'] must be a dict, not {conf.describe(config['OPTIONS'])}"
     return None
+
+
+def _backends(value: Any) -> str | None:
+    return _mapping(value, "backend name -> {'ENGINE': ..., 'OPTIONS': {...}}", _backend_entry)
 
 
 def _handlers(value: Any) -> str | None:
-    if not isinstance(value, dict):
-        return f"must be a dict of handler key -> dotted path (or None), not {conf.describe(value)}"
-    for key, path in value.items():
+    def entry(key: Any, path: Any) -> str | None:
         if _name(key) or _optional_name(path):
             return f"[{key!r}] must map a non-empty key to a dotted path or None, not {conf.describe(path)}"
-    return None
+        return None
+
+    return _mapping(value, "handler key -> dotted path (or None)", entry)
 
 
 def _queue_handlers(value: Any) -> str | None:
-    if not isinstance(value, dict):
-        return f"must be a dict of queue -> list of handler keys, not {conf.describe(value)}"
-    for queue, keys in value.items():
+    def entry(queue: Any, keys: Any) -> str | None:
         problem = conf.names_problem(keys)
-        if problem:
-            return f"[{queue!r}] {problem}"
-    return None
+        return f"[{queue!r}] {problem}" if problem else None
+
+    return _mapping(value, "queue -> list of handler keys", entry)
 
 
 def _signing_key(value: Any) -> str | None:

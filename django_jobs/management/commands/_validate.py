@@ -9,10 +9,16 @@ import math
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management.base import CommandError
+from django.core.management.base import CommandError, CommandParser
 
 from django_jobs import conf
 from django_jobs.checks import did_you_mean
+
+
+def add_target_arguments(parser: CommandParser, queues_help: str) -> None:
+    """The positional QUEUE list and ``--backend`` that every command acting on queues takes."""
+    parser.add_argument("queues", nargs="*", help=queues_help)
+    parser.add_argument("--backend", help="backend name (default: DEFAULT_BACKEND)")
 
 
 def one_line(text: object) -> str:

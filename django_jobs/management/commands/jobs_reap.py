@@ -14,8 +14,7 @@ class Command(BaseCommand):
     help = "Recover the leases of crashed or stalled workers (each counts as a failed run)."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("queues", nargs="*", help="queues to reap (default: every queue)")
-        parser.add_argument("--backend", help="backend name (default: DEFAULT_BACKEND)")
+        _validate.add_target_arguments(parser, "queues to reap (default: every queue)")
         parser.add_argument("--loop", action="store_true", help="keep reaping until SIGTERM/SIGINT")
         parser.add_argument("--interval", type=float, default=30.0, help="seconds between passes with --loop")
 

@@ -16,8 +16,7 @@ class Command(BaseCommand):
     help = "Run a django-jobs worker until SIGTERM/SIGINT (or --once / --max / --max-time)."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("queues", nargs="*", help="queues to consume, in priority order (default: the first of QUEUES)")
-        parser.add_argument("--backend", help="backend name (default: DEFAULT_BACKEND)")
+        _validate.add_target_arguments(parser, "queues to consume, in priority order (default: the first of QUEUES)")
         parser.add_argument("--once", action="store_true", help="one fetch, at most one job, then exit")
         parser.add_argument("--max", type=int, dest="max_jobs", help="exit after N jobs")
         parser.add_argument("--max-time", type=float, help="exit after S seconds")
