@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Jobs", "job", "JobBuilder", "RetryPolicy", "QueueWorker"]
+__all__ = ["JobBuilder", "Jobs", "QueueWorker", "RetryPolicy", "job"]
 
 if TYPE_CHECKING:
     from .api import JobBuilder, Jobs, job

@@ -28,8 +28,20 @@ class JobAdmin(admin.ModelAdmin):
         (None, {"fields": ("id", "name", "handler", "queue", "backend", "status")}),
         ("Attempts", {"fields": ("attempts", "max_retries", "last_error_display")}),
         ("Payload", {"fields": ("payload_display", "options", "idempotency_key")}),
-        ("Timing", {"fields": ("priority", "timeout", "available_at", "leased_until", "created_at",
-                               "updated_at", "finished_at")}),
+        (
+            "Timing",
+            {
+                "fields": (
+                    "priority",
+                    "timeout",
+                    "available_at",
+                    "leased_until",
+                    "created_at",
+                    "updated_at",
+                    "finished_at",
+                )
+            },
+        ),
     )
 
     @admin.display(description="job", ordering="name")
@@ -66,7 +78,9 @@ class JobAdmin(admin.ModelAdmin):
         skipped = queryset.count() - outcome.retried - len(outcome.errors)
         self.message_user(request, f"Requeued {outcome.retried} job(s).", messages.SUCCESS)
         if skipped > 0:
-            self.message_user(request, f"{skipped} selected job(s) were not failed and were left alone.", messages.WARNING)
+            self.message_user(
+                request, f"{skipped} selected job(s) were not failed and were left alone.", messages.WARNING
+            )
 
     def get_urls(self) -> list[URLPattern]:
         view = self.admin_site.admin_view(self.dashboard_view)

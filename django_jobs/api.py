@@ -306,8 +306,11 @@ class JobFunction(Generic[P, R]):
 
     def handle(self, context: JobContext) -> R:
         payload = context.payload
-        if not isinstance(payload, dict) or not isinstance(payload.get("args", []), list) \
-                or not isinstance(payload.get("kwargs", {}), dict):
+        if (
+            not isinstance(payload, dict)
+            or not isinstance(payload.get("args", []), list)
+            or not isinstance(payload.get("kwargs", {}), dict)
+        ):
             raise InvalidPayload("a @job payload must be {'args': [...], 'kwargs': {...}}")
         return self.func(*payload.get("args", []), **payload.get("kwargs", {}))
 

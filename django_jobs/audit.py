@@ -29,12 +29,24 @@ def record_failure(envelope: Envelope, error: str, backend: str, attempts: int, 
     now = timezone.now()
     try:
         fields: dict[str, Any] = {
-            "queue": envelope.queue, "handler": envelope.handler, "payload": envelope.payload,
-            "options": envelope.options, "signature": envelope.signature, "name": envelope.name,
-            "status": JobStatus.FAILED, "attempts": attempts, "max_retries": envelope.max_retries,
-            "priority": envelope.priority, "timeout": envelope.timeout,
-            "idempotency_key": envelope.idempotency_key, "last_error": error, "finished_at": now,
-            "updated_at": now, "backend": backend, "owner_token": None, "leased_until": None,
+            "queue": envelope.queue,
+            "handler": envelope.handler,
+            "payload": envelope.payload,
+            "options": envelope.options,
+            "signature": envelope.signature,
+            "name": envelope.name,
+            "status": JobStatus.FAILED,
+            "attempts": attempts,
+            "max_retries": envelope.max_retries,
+            "priority": envelope.priority,
+            "timeout": envelope.timeout,
+            "idempotency_key": envelope.idempotency_key,
+            "last_error": error,
+            "finished_at": now,
+            "updated_at": now,
+            "backend": backend,
+            "owner_token": None,
+            "leased_until": None,
         }
         reason = _untrusted(envelope, backend, queue or envelope.queue)
         if reason is None:
@@ -48,8 +60,12 @@ def record_failure(envelope: Envelope, error: str, backend: str, attempts: int, 
             f"received, kept under a new id for audit; it cannot be retried."
         )
         Job.objects.create(id=new_id(), created_at=now, **_fitted(fields))
-        logger.warning("an unverified message claiming job id %r (%s) was recorded as a new failed row: %s",
-                       envelope.id, backend, reason)
+        logger.warning(
+            "an unverified message claiming job id %r (%s) was recorded as a new failed row: %s",
+            envelope.id,
+            backend,
+            reason,
+        )
     except Exception:
         logger.exception("could not record the failure of job %r (%s) for the admin", envelope.id, backend)
 

@@ -43,6 +43,7 @@ def did_you_mean(word: Any, choices: Iterable[str]) -> str | None:
 
 # -- rules: one per kind of value ---------------------------------------------------------------------
 
+
 def _number(*, integer: bool = False, positive: bool = False, optional: bool = False) -> Rule:
     kind = "integer" if integer else "number"
     wanted = f"a {'positive' if positive else 'non-negative'} {kind}"
@@ -54,7 +55,9 @@ def _number(*, integer: bool = False, positive: bool = False, optional: bool = F
             return None
         types = int if integer else (int, float)
         ok = (
-            isinstance(value, types) and not isinstance(value, bool) and math.isfinite(value)
+            isinstance(value, types)
+            and not isinstance(value, bool)
+            and math.isfinite(value)
             and (value > 0 if positive else value >= 0)
         )
         return None if ok else f"must be {wanted}, not {conf.describe(value)}"
@@ -200,8 +203,9 @@ def _backends_and_engines(bad: set[str]) -> list[checks.CheckMessage]:
     backends = conf.get("BACKENDS")
     default = conf.get("DEFAULT_BACKEND")
     if "DEFAULT_BACKEND" not in bad and default not in backends:
-        errors.append(_error(
-            f"DEFAULT_BACKEND {default!r} is not in BACKENDS", "E001", hint=did_you_mean(default, backends)))
+        errors.append(
+            _error(f"DEFAULT_BACKEND {default!r} is not in BACKENDS", "E001", hint=did_you_mean(default, backends))
+        )
     for name, config in backends.items():
         for key in config:
             if key not in BACKEND_KEYS:
@@ -245,10 +249,14 @@ def _handlers_and_queues(bad: set[str]) -> list[checks.CheckMessage]:
 
     def unknown_queue(queue: Any, where: str, obj: Any = "settings.JOBS") -> None:
         if known_queues and queue not in known_queues:
-            errors.append(_error(
-                f"{where} names queue {queue!r}, which is not in QUEUES", "E012", obj=obj,
-                hint=did_you_mean(queue, known_queues) or f"add it to JOBS['QUEUES'] ({', '.join(known_queues)})",
-            ))
+            errors.append(
+                _error(
+                    f"{where} names queue {queue!r}, which is not in QUEUES",
+                    "E012",
+                    obj=obj,
+                    hint=did_you_mean(queue, known_queues) or f"add it to JOBS['QUEUES'] ({', '.join(known_queues)})",
+                )
+            )
 
     for key, handler in sorted(registry.registered().items()):
         defaults = getattr(handler, "defaults", None)
@@ -263,11 +271,14 @@ def _handlers_and_queues(bad: set[str]) -> list[checks.CheckMessage]:
         unknown_queue(queue, "a QUEUE_HANDLERS key")  # its allowlist would guard no real queue
         for key in allowed:
             if "HANDLERS" not in bad and key not in known:
-                errors.append(_error(
-                    f"QUEUE_HANDLERS[{queue!r}] names unknown handler {key!r}", "E006",
-                    hint=did_you_mean(key, known)
-                    or "add it to JOBS['HANDLERS'] or register it with @job in an app's jobs module",
-                ))
+                errors.append(
+                    _error(
+                        f"QUEUE_HANDLERS[{queue!r}] names unknown handler {key!r}",
+                        "E006",
+                        hint=did_you_mean(key, known)
+                        or "add it to JOBS['HANDLERS'] or register it with @job in an app's jobs module",
+                    )
+                )
     return errors
 
 
@@ -311,13 +322,15 @@ def check_servicebus_delivery_count(app_configs: Any = None, **kwargs: Any) -> l
         count = (config.get("OPTIONS") or {}).get("MAX_DELIVERY_COUNT", 10)
         if isinstance(count, int) and not isinstance(count, bool) and count > retries + 1:
             continue
-        warnings.append(checks.Warning(
-            f"backend {name!r}: the queues' MaxDeliveryCount ({count!r}) must exceed DEFAULT_MAX_RETRIES + 1 "
-            f"({retries + 1}): Service Bus would dead-letter a job whose worker keeps dying before its retries "
-            "are spent, and no failed Job row would record it",
-            hint="raise MaxDeliveryCount on the Service Bus queues and set OPTIONS['MAX_DELIVERY_COUNT'] to it, "
-            "or lower DEFAULT_MAX_RETRIES",
-            obj="settings.JOBS",
-            id="django_jobs.W001",
-        ))
+        warnings.append(
+            checks.Warning(
+                f"backend {name!r}: the queues' MaxDeliveryCount ({count!r}) must exceed DEFAULT_MAX_RETRIES + 1 "
+                f"({retries + 1}): Service Bus would dead-letter a job whose worker keeps dying before its retries "
+                "are spent, and no failed Job row would record it",
+                hint="raise MaxDeliveryCount on the Service Bus queues and set OPTIONS['MAX_DELIVERY_COUNT'] to it, "
+                "or lower DEFAULT_MAX_RETRIES",
+                obj="settings.JOBS",
+                id="django_jobs.W001",
+            )
+        )
     return warnings

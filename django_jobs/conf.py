@@ -105,8 +105,9 @@ def handlers() -> dict[str, str | None]:
     """Built-in handlers merged with ``JOBS["HANDLERS"]`` (a ``None`` value removes one)."""
     extra = get("HANDLERS") or {}
     if not isinstance(extra, dict):
-        raise ImproperlyConfigured(f"JOBS['HANDLERS'] must be a dict of handler key -> dotted path, "
-                                   f"not {describe(extra)}")
+        raise ImproperlyConfigured(
+            f"JOBS['HANDLERS'] must be a dict of handler key -> dotted path, not {describe(extra)}"
+        )
     merged: dict[str, str | None] = dict(BUILTIN_HANDLERS)
     merged.update(extra)
     return merged

@@ -40,7 +40,11 @@ def hourly_throughput(hours: int = HOURS) -> list[dict[str, Any]]:
             buckets[row["hour"]][row["status"]] = row["n"]
     peak = max([b["completed"] + b["failed"] for b in buckets.values()] + [1])
     return [
-        {"hour": hour, **counts, "completed_pct": 100 * counts["completed"] // peak,
-         "failed_pct": 100 * counts["failed"] // peak}
+        {
+            "hour": hour,
+            **counts,
+            "completed_pct": 100 * counts["completed"] // peak,
+            "failed_pct": 100 * counts["failed"] // peak,
+        }
         for hour, counts in buckets.items()
     ]

@@ -99,9 +99,17 @@ class Envelope:
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
-    "id": (str,), "handler": (str,), "queue": (str,), "priority": (int,), "max_retries": (int,),
-    "attempts": (int,), "name": (str,), "idempotency_key": (str, type(None)),
-    "timeout": (int, float, type(None)), "options": (dict,), "signature": (str,),
+    "id": (str,),
+    "handler": (str,),
+    "queue": (str,),
+    "priority": (int,),
+    "max_retries": (int,),
+    "attempts": (int,),
+    "name": (str,),
+    "idempotency_key": (str, type(None)),
+    "timeout": (int, float, type(None)),
+    "options": (dict,),
+    "signature": (str,),
 }
 
 

@@ -61,7 +61,8 @@ class ShellHandler:
         if argv[0] not in conf.names("ALLOWED_SHELL_COMMANDS"):  # a str setting is refused, never a substring test
             raise HandlerNotAllowed(f"program {argv[0]!r} is not in JOBS['ALLOWED_SHELL_COMMANDS']")
         done = subprocess.run(
-            argv, check=False, shell=False, capture_output=True, text=True, timeout=context.remaining())
+            argv, check=False, shell=False, capture_output=True, text=True, timeout=context.remaining()
+        )
         if done.returncode:
             raise RuntimeError(f"{argv[0]} exited {done.returncode}: {done.stderr[-2000:]}")
         return done.stdout
@@ -81,7 +82,9 @@ class UrlHandler:
         payload = context.payload
         spec = {"url": payload} if isinstance(payload, str) else payload
         if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):
-            raise InvalidPayload("url payload must be a URL or {'url': ..., 'method': ..., 'headers': ..., 'json': ...}")
+            raise InvalidPayload(
+                "url payload must be a URL or {'url': ..., 'method': ..., 'headers': ..., 'json': ...}"
+            )
         url = urlsplit(spec["url"])
         if url.scheme not in ("http", "https") or not url.hostname:
             raise HandlerNotAllowed(f"only http(s) URLs with a host may be called, not {spec['url']!r}")
@@ -98,8 +101,12 @@ class UrlHandler:
             conn = http.client.HTTPConnection(address, port, timeout=timeout)
         try:
             target = url.path or "/"
-            conn.request(str(spec.get("method", "POST" if body else "GET")).upper(),
-                         target + (f"?{url.query}" if url.query else ""), body=body, headers=headers)
+            conn.request(
+                str(spec.get("method", "POST" if body else "GET")).upper(),
+                target + (f"?{url.query}" if url.query else ""),
+                body=body,
+                headers=headers,
+            )
             status = conn.getresponse().status  # http.client never follows redirects
         finally:
             conn.close()

@@ -36,8 +36,13 @@ def cache_key(prefix: str, key: str) -> str:
 
     Keys starting with ``sha256:`` are hashed too, so a readable key never equals a digest.
     """
-    if len(key) <= READABLE_KEY_LENGTH and key.isascii() and key.isprintable() and " " not in key \
-            and not key.startswith(HASHED):
+    if (
+        len(key) <= READABLE_KEY_LENGTH
+        and key.isascii()
+        and key.isprintable()
+        and " " not in key
+        and not key.startswith(HASHED)
+    ):
         return prefix + key
     return prefix + HASHED + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 

@@ -18,9 +18,19 @@ from django.utils.module_loading import import_string
 from . import conf
 
 COUNTERS = (
-    "jobs_fetched", "jobs_succeeded", "jobs_failed", "jobs_requeued", "jobs_failed_permanently",
-    "jobs_skipped_idempotent", "jobs_rejected_signature", "jobs_rejected_payload",
-    "jobs_rejected_handler", "jobs_reaped", "jobs_reap_errors", "jobs_lease_lost", "jobs_dlq_failed",
+    "jobs_fetched",
+    "jobs_succeeded",
+    "jobs_failed",
+    "jobs_requeued",
+    "jobs_failed_permanently",
+    "jobs_skipped_idempotent",
+    "jobs_rejected_signature",
+    "jobs_rejected_payload",
+    "jobs_rejected_handler",
+    "jobs_reaped",
+    "jobs_reap_errors",
+    "jobs_lease_lost",
+    "jobs_dlq_failed",
 )
 HISTOGRAMS = ("jobs_exec_seconds", "jobs_wait_seconds", "jobs_retry_delay_seconds")
 

@@ -124,9 +124,19 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
             outcome.errors.append(f"job {row.pk} was not retried: {exc}")
             continue
         if isinstance(backend, DatabaseBackend):
-            outcome.retried += Job.objects.using(backend.alias).filter(pk=row.pk, status=JobStatus.FAILED).update(
-                status=JobStatus.PENDING, attempts=0, available_at=now, owner_token=None, leased_until=None,
-                finished_at=None, last_error="", updated_at=now,
+            outcome.retried += (
+                Job.objects.using(backend.alias)
+                .filter(pk=row.pk, status=JobStatus.FAILED)
+                .update(
+                    status=JobStatus.PENDING,
+                    attempts=0,
+                    available_at=now,
+                    owner_token=None,
+                    leased_until=None,
+                    finished_at=None,
+                    last_error="",
+                    updated_at=now,
+                )
             )
         else:
             backend.enqueue(envelope_of(row))
@@ -140,9 +150,17 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
 def envelope_of(row: Job) -> Envelope:
     """The envelope a ``Job`` row describes, as first dispatched (attempts 0, available now)."""
     return Envelope(
-        id=row.id, handler=row.handler, payload=row.payload, queue=row.queue, priority=row.priority,
-        max_retries=row.max_retries, name=row.name, idempotency_key=row.idempotency_key,
-        timeout=row.timeout, options=row.options or {}, signature=row.signature,
+        id=row.id,
+        handler=row.handler,
+        payload=row.payload,
+        queue=row.queue,
+        priority=row.priority,
+        max_retries=row.max_retries,
+        name=row.name,
+        idempotency_key=row.idempotency_key,
+        timeout=row.timeout,
+        options=row.options or {},
+        signature=row.signature,
     )
 
 
@@ -153,6 +171,6 @@ def stats(backend_names: list[str] | None = None) -> list[dict[str, Any]]:
         for queue in conf.queues():
             try:
                 rows.append({"backend": name, "queue": queue, **get_backend(name).stats(queue)})
-            except Exception as exc:  # one unreachable broker must not hide the others
+            except Exception as exc:  # noqa: BLE001 - one unreachable broker must not hide the others
                 rows.append({"backend": name, "queue": queue, "error": f"{type(exc).__name__}: {exc}"})
     return rows

@@ -346,7 +346,9 @@ class DeliveryPipeline:
             seconds=verdict.seconds,
         )
 
-    def _tell_backend(self, lease: Lease, verdict: Verdict, on_success: Iterable[Callable[[], None]], retries: tuple[float, ...]) -> None:
+    def _tell_backend(
+        self, lease: Lease, verdict: Verdict, on_success: Iterable[Callable[[], None]], retries: tuple[float, ...]
+    ) -> None:
         outcome, count_run = verdict.outcome, verdict.count_run
         if outcome is Outcome.ACKED:
             for hook in on_success:  # before the ack: if the ack finds the lease lost, the redelivery is skipped
@@ -361,7 +363,9 @@ class DeliveryPipeline:
         else:  # DEAD_LETTERED or REJECTED
             self._retrying(self.backend.abandon, retries, lease, verdict.error or "", count_run=count_run)
 
-    def _retrying(self, action: Callable[_P, None], pauses: tuple[float, ...], *args: _P.args, **kwargs: _P.kwargs) -> None:
+    def _retrying(
+        self, action: Callable[_P, None], pauses: tuple[float, ...], *args: _P.args, **kwargs: _P.kwargs
+    ) -> None:
         """Settle, retrying a transient backend error a few times within the lease."""
         for pause in pauses:
             try:

@@ -137,7 +137,10 @@ class WorkerPool:
             if quick_deaths >= STARTUP_DEATHS:
                 logger.error(
                     "worker process %d (slot %d) died with status %s at start-up, %d times in a row; giving up",
-                    pid, slot, code, quick_deaths,
+                    pid,
+                    slot,
+                    code,
+                    quick_deaths,
                 )
                 gave_up = True
                 self._on_signal(signal.SIGTERM, None)  # stop the others; their jobs finish first

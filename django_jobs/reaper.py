@@ -88,8 +88,13 @@ def settle_lost_runs(backend: QueueBackend, lease: Lease, lost: int, how: str) -
         if delay is None:
             backend.abandon(lease, error, count_run=False)
             metrics.increment("jobs_failed_permanently", queue=lease.queue)
-            logger.critical("job %s (%s) failed permanently after %d run(s): %s",
-                            env.id, env.name or env.handler, env.attempts, error)
+            logger.critical(
+                "job %s (%s) failed permanently after %d run(s): %s",
+                env.id,
+                env.name or env.handler,
+                env.attempts,
+                error,
+            )
         else:
             backend.nack(lease, delay, error=error, count_run=False)
             logger.warning("job %s on %s: %s; retried in %gs", env.id, lease.queue, error, delay)

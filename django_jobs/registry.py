@@ -91,8 +91,9 @@ def queue_allowlist(queue: str) -> list[str] | None:
     """
     per_queue = conf.get("QUEUE_HANDLERS") or {}
     if not isinstance(per_queue, dict):
-        raise ImproperlyConfigured(f"JOBS['QUEUE_HANDLERS'] must be a dict of queue -> handler keys, not a "
-                                   f"{type(per_queue).__name__}")
+        raise ImproperlyConfigured(
+            f"JOBS['QUEUE_HANDLERS'] must be a dict of queue -> handler keys, not a {type(per_queue).__name__}"
+        )
     allowed = per_queue.get(queue)
     if allowed is None:
         return None

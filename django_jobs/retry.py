@@ -41,9 +41,7 @@ def check_delay(value: Any, what: str) -> float:
     if seconds < 0:
         raise ValueError(f"{what} must not be negative (got {value!r})")
     if seconds > MAX_DELAY_SECONDS:
-        raise ValueError(
-            f"{what} of {value!r} seconds is too long: at most {MAX_DELAY_SECONDS} seconds (365 days)"
-        )
+        raise ValueError(f"{what} of {value!r} seconds is too long: at most {MAX_DELAY_SECONDS} seconds (365 days)")
     return seconds
 
 

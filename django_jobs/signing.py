@@ -23,8 +23,16 @@ if TYPE_CHECKING:
 # message still verifies; everything that decides *what* runs, *where* and *how often* is
 # inside the MAC (queue and handler included: no replay elsewhere).
 SIGNED_FIELDS = (
-    "id", "handler", "payload", "queue", "priority", "max_retries",
-    "name", "idempotency_key", "timeout", "options",
+    "id",
+    "handler",
+    "payload",
+    "queue",
+    "priority",
+    "max_retries",
+    "name",
+    "idempotency_key",
+    "timeout",
+    "options",
 )
 
 
@@ -114,7 +122,10 @@ def signing_keys() -> tuple[bytes, ...]:
 
 @lru_cache(maxsize=8)
 def _keys(
-    current: Any, secret: str, secret_fallbacks: tuple[Any, ...], fallbacks: tuple[Any, ...],
+    current: Any,
+    secret: str,
+    secret_fallbacks: tuple[Any, ...],
+    fallbacks: tuple[Any, ...],
 ) -> tuple[bytes, ...]:
     # Read on every sign and verify (the worker's hot path); the inputs are the cache key, so a
     # settings change (override_settings, rotation) takes effect at once.

@@ -45,7 +45,9 @@ def backend_config(name: str) -> dict[str, Any]:
 def engine_class(engine: str) -> type[QueueBackend]:
     path = ENGINES.get(engine, engine)
     if "." not in path:
-        raise ImproperlyConfigured(f"unknown backend ENGINE {engine!r}; use one of {', '.join(ENGINES)} or a dotted path")
+        raise ImproperlyConfigured(
+            f"unknown backend ENGINE {engine!r}; use one of {', '.join(ENGINES)} or a dotted path"
+        )
     backend_class: type[QueueBackend] = import_string(path)
     return backend_class
 

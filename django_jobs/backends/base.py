@@ -155,7 +155,7 @@ class QueueBackend(ABC):
     def submit(self, envelopes: list[Envelope]) -> None:
         """Enqueue, deferring to the end of the caller's transaction for non-database backends,
         so a worker never sees a job before the rows it refers to are committed."""
-        push: Callable[[], Any] = lambda: self.enqueue_many(envelopes)  # noqa: E731
+        push: Callable[[], Any] = lambda: self.enqueue_many(envelopes)
         alias = None if self.transactional else _atomic_alias()
         if alias is None:
             push()

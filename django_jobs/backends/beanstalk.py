@@ -8,6 +8,7 @@ are ``bury``-ed (beanstalkd's dead letter) and recorded as failed ``Job`` rows.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Iterator, Mapping
@@ -21,8 +22,8 @@ from django.utils import timezone
 from .. import conf
 from ..envelope import Envelope
 from ..exceptions import LeaseLost
-from . import require
 from ..reaper import LOST_RUN_BATCH, settle_lost_runs
+from . import require
 from .base import Lease, RequeueByCopy, decode_lease_body
 
 if TYPE_CHECKING:
@@ -102,10 +103,8 @@ class BeanstalkBackend(RequeueByCopy):
                 if tube.stash is not None:
                     # Hand back a job reserved by wait_for_work but never fetched, so it is not
                     # counted as a lost run (fetch subtracts releases from reserves).
-                    try:
+                    with contextlib.suppress(Exception):  # closing anyway; beanstalkd releases on disconnect
                         tube.client.release(tube.stash)
-                    except Exception:  # noqa: BLE001 - closing anyway; beanstalkd releases on disconnect
-                        pass
                     tube.stash = None
             self._drop(queue, tube)
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from datetime import datetime, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
@@ -38,22 +37,42 @@ def _dt(value: Any) -> datetime | None:
     if isinstance(value, str):
         value = parse_datetime(value)
     if value is not None and timezone.is_naive(value):
-        value = timezone.make_aware(value, dt_timezone.utc)
+        value = timezone.make_aware(value, UTC)
     return cast("datetime | None", value)
 
 
 def _row_fields(row: tuple[Any, ...], queue: str) -> dict[str, Any]:
     """Envelope fields of a claimed row, treating every column as untrusted."""
-    (job_id, handler, payload, options, signature, name, attempts, max_retries,
-     priority, available_at, timeout, idempotency_key) = row
+    (
+        job_id,
+        handler,
+        payload,
+        options,
+        signature,
+        name,
+        attempts,
+        max_retries,
+        priority,
+        available_at,
+        timeout,
+        idempotency_key,
+    ) = row
     limit = conf.get("MAX_MESSAGE_BYTES")
     try:
         if len(payload) + len(options) > limit:
             raise InvalidPayload(f"row of {len(payload)} payload bytes exceeds the {limit}-byte cap")
         data = {
-            "id": job_id, "handler": handler, "payload": json.loads(payload), "options": json.loads(options),
-            "signature": signature, "name": name, "attempts": attempts, "max_retries": max_retries,
-            "priority": priority, "timeout": timeout, "idempotency_key": idempotency_key,
+            "id": job_id,
+            "handler": handler,
+            "payload": json.loads(payload),
+            "options": json.loads(options),
+            "signature": signature,
+            "name": name,
+            "attempts": attempts,
+            "max_retries": max_retries,
+            "priority": priority,
+            "timeout": timeout,
+            "idempotency_key": idempotency_key,
             "queue": queue,
         }
     except (TypeError, ValueError, RecursionError) as exc:
@@ -100,11 +119,22 @@ class DatabaseBackend(QueueBackend):
 
     def _row(self, envelope: Envelope, now: datetime) -> Job:
         return Job(
-            id=envelope.id, queue=envelope.queue, handler=envelope.handler, payload=envelope.payload,
-            options=envelope.options, signature=envelope.signature, name=envelope.name,
-            attempts=envelope.attempts, max_retries=envelope.max_retries, priority=envelope.priority,
-            available_at=envelope.available_at or now, timeout=envelope.timeout,
-            idempotency_key=envelope.idempotency_key, created_at=now, updated_at=now, backend=self.name,
+            id=envelope.id,
+            queue=envelope.queue,
+            handler=envelope.handler,
+            payload=envelope.payload,
+            options=envelope.options,
+            signature=envelope.signature,
+            name=envelope.name,
+            attempts=envelope.attempts,
+            max_retries=envelope.max_retries,
+            priority=envelope.priority,
+            available_at=envelope.available_at or now,
+            timeout=envelope.timeout,
+            idempotency_key=envelope.idempotency_key,
+            created_at=now,
+            updated_at=now,
+            backend=self.name,
         )
 
     # -- protocol --
@@ -168,13 +198,24 @@ class DatabaseBackend(QueueBackend):
                 status=JobStatus.IN_PROGRESS, owner_token=owner, leased_until=expires, updated_at=now
             )
         return (
-            job.id, job.handler, json.dumps(job.payload), json.dumps(job.options), job.signature, job.name,
-            job.attempts, job.max_retries, job.priority, job.available_at, job.timeout, job.idempotency_key,
+            job.id,
+            job.handler,
+            json.dumps(job.payload),
+            json.dumps(job.options),
+            job.signature,
+            job.name,
+            job.attempts,
+            job.max_retries,
+            job.priority,
+            job.available_at,
+            job.timeout,
+            job.idempotency_key,
         )
 
     def ack(self, lease: Lease, *, count_run: bool = True) -> None:
         self._settle(
-            lease, "status = 'completed', attempts = attempts + %s, finished_at = %s",
+            lease,
+            "status = 'completed', attempts = attempts + %s, finished_at = %s",
             [int(count_run), self._adapt(timezone.now())],
         )
 
@@ -190,7 +231,8 @@ class DatabaseBackend(QueueBackend):
 
     def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
         self._settle(
-            lease, "status = 'failed', attempts = attempts + %s, finished_at = %s, last_error = %s",
+            lease,
+            "status = 'failed', attempts = attempts + %s, finished_at = %s, last_error = %s",
             [int(count_run), self._adapt(timezone.now()), error],
         )
 
@@ -221,13 +263,29 @@ class DatabaseBackend(QueueBackend):
         expired = jobs.filter(status=JobStatus.IN_PROGRESS, leased_until__lt=now)
         if queue is not None:
             expired = expired.filter(queue=queue)
-        fields = ("id", "queue", "handler", "payload", "options", "signature", "name", "priority", "max_retries",
-                  "timeout", "idempotency_key", "owner_token", "attempts", "leased_until")
+        fields = (
+            "id",
+            "queue",
+            "handler",
+            "payload",
+            "options",
+            "signature",
+            "name",
+            "priority",
+            "max_retries",
+            "timeout",
+            "idempotency_key",
+            "owner_token",
+            "attempts",
+            "leased_until",
+        )
         reaped = 0
         for job in expired.only(*fields):
             # A lost connection ends the pass (every later row would fail the same way).
-            with reaping(job.pk, job.queue, fatal=(OperationalError, InterfaceError)), \
-                    transaction.atomic(using=self.alias):  # a savepoint: a failed row leaves the others usable
+            with (
+                reaping(job.pk, job.queue, fatal=(OperationalError, InterfaceError)),
+                transaction.atomic(using=self.alias),
+            ):  # a savepoint: a failed row leaves the others usable
                 error = WorkerLost.describe(job.leased_until)
                 options = trusted_options(envelope_of(job), job.queue)
                 delay = after_lost_run(job.attempts, job.max_retries, options)
@@ -237,7 +295,11 @@ class DatabaseBackend(QueueBackend):
                     changes = {"status": JobStatus.PENDING, "available_at": now + timedelta(seconds=delay)}
                 # Fenced on the owner token we read: a concurrent reaper or a late ack wins cleanly.
                 reaped += jobs.filter(pk=job.pk, owner_token=job.owner_token, status=JobStatus.IN_PROGRESS).update(
-                    attempts=job.attempts + 1, owner_token=None, leased_until=None, last_error=error, updated_at=now,
+                    attempts=job.attempts + 1,
+                    owner_token=None,
+                    leased_until=None,
+                    last_error=error,
+                    updated_at=now,
                     **changes,
                 )
         return reaped
@@ -246,18 +308,24 @@ class DatabaseBackend(QueueBackend):
         self._conn.close()
 
     def size(self, queue: str) -> int:
-        count: int = Job.objects.using(self.alias).filter(
-            queue=queue, status__in=(JobStatus.PENDING, JobStatus.IN_PROGRESS)
-        ).count()
+        count: int = (
+            Job.objects.using(self.alias)
+            .filter(queue=queue, status__in=(JobStatus.PENDING, JobStatus.IN_PROGRESS))
+            .count()
+        )
         return count
 
     def stats(self, queue: str) -> dict[str, int]:
         now = timezone.now()
         pending = Q(status=JobStatus.PENDING)
-        counts: dict[str, int] = Job.objects.using(self.alias).filter(queue=queue, backend=self.name).aggregate(
-            pending=Count("id", filter=pending & Q(available_at__lte=now)),
-            delayed=Count("id", filter=pending & Q(available_at__gt=now)),
-            in_progress=Count("id", filter=Q(status=JobStatus.IN_PROGRESS)),
-            failed=Count("id", filter=Q(status=JobStatus.FAILED)),
+        counts: dict[str, int] = (
+            Job.objects.using(self.alias)
+            .filter(queue=queue, backend=self.name)
+            .aggregate(
+                pending=Count("id", filter=pending & Q(available_at__lte=now)),
+                delayed=Count("id", filter=pending & Q(available_at__gt=now)),
+                in_progress=Count("id", filter=Q(status=JobStatus.IN_PROGRESS)),
+                failed=Count("id", filter=Q(status=JobStatus.FAILED)),
+            )
         )
         return counts

@@ -132,8 +132,9 @@ class RedisBackend(QueueBackend):
     def _push(self, envelope: Envelope, client: Any = None) -> Any:
         due = envelope.available_at.timestamp() if envelope.available_at else 0
         priority = max(-PRIORITY_LIMIT, min(PRIORITY_LIMIT, envelope.priority))
-        return self._run("enqueue", envelope.queue, envelope.id, envelope.to_bytes(), priority,
-                         _ms(due), _ms(), client=client)
+        return self._run(
+            "enqueue", envelope.queue, envelope.id, envelope.to_bytes(), priority, _ms(due), _ms(), client=client
+        )
 
     def enqueue(self, envelope: Envelope) -> str:
         self._push(envelope)

@@ -24,8 +24,8 @@ from django.utils import timezone
 from .. import conf
 from ..envelope import Envelope
 from ..exceptions import InvalidPayload, LeaseLost
-from . import require
 from ..reaper import LOST_RUN_BATCH, settle_lost_runs
+from . import require
 from .base import Lease, RequeueByCopy, decode_lease_body
 
 require("azure.servicebus", "servicebus")

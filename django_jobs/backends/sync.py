@@ -33,8 +33,11 @@ class SyncBackend(QueueBackend):
         from ..pipeline import DeliveryPipeline  # the pipeline imports the backends package
 
         lease = Lease(
-            token=envelope.id, owner_token=secrets.token_hex(8), expires_at=timezone.now(),
-            queue=envelope.queue, envelope=envelope,
+            token=envelope.id,
+            owner_token=secrets.token_hex(8),
+            expires_at=timezone.now(),
+            queue=envelope.queue,
+            envelope=envelope,
         )
         if self._pipeline is None:  # built once: it autodiscovers the @job modules
             self._pipeline = DeliveryPipeline(self)

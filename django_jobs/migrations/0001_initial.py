@@ -5,41 +5,71 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Job',
+            name="Job",
             fields=[
-                ('id', models.CharField(editable=False, max_length=64, primary_key=True, serialize=False)),
-                ('queue', models.CharField(max_length=100)),
-                ('handler', models.CharField(max_length=255)),
-                ('payload', models.JSONField(blank=True, default=dict)),
-                ('options', models.JSONField(blank=True, default=dict)),
-                ('signature', models.CharField(blank=True, max_length=128)),
-                ('name', models.CharField(blank=True, max_length=255)),
-                ('status', models.CharField(choices=[('pending', 'Pending'), ('in_progress', 'In progress'), ('completed', 'Completed'), ('failed', 'Failed')], default='pending', max_length=16)),
-                ('attempts', models.PositiveIntegerField(default=0, help_text='Runs completed (success, failure or lost lease).')),
-                ('max_retries', models.PositiveIntegerField(default=0)),
-                ('priority', models.IntegerField(default=0, help_text='Higher runs sooner.')),
-                ('available_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('timeout', models.FloatField(blank=True, help_text='Seconds per attempt.', null=True)),
-                ('idempotency_key', models.CharField(blank=True, max_length=255, null=True)),
-                ('owner_token', models.CharField(blank=True, max_length=64, null=True)),
-                ('leased_until', models.DateTimeField(blank=True, null=True)),
-                ('last_error', models.TextField(blank=True)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('updated_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('backend', models.CharField(default='default', help_text='Backend the job was dispatched to.', max_length=100)),
+                ("id", models.CharField(editable=False, max_length=64, primary_key=True, serialize=False)),
+                ("queue", models.CharField(max_length=100)),
+                ("handler", models.CharField(max_length=255)),
+                ("payload", models.JSONField(blank=True, default=dict)),
+                ("options", models.JSONField(blank=True, default=dict)),
+                ("signature", models.CharField(blank=True, max_length=128)),
+                ("name", models.CharField(blank=True, max_length=255)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("pending", "Pending"),
+                            ("in_progress", "In progress"),
+                            ("completed", "Completed"),
+                            ("failed", "Failed"),
+                        ],
+                        default="pending",
+                        max_length=16,
+                    ),
+                ),
+                (
+                    "attempts",
+                    models.PositiveIntegerField(
+                        default=0, help_text="Runs completed (success, failure or lost lease)."
+                    ),
+                ),
+                ("max_retries", models.PositiveIntegerField(default=0)),
+                ("priority", models.IntegerField(default=0, help_text="Higher runs sooner.")),
+                ("available_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("timeout", models.FloatField(blank=True, help_text="Seconds per attempt.", null=True)),
+                ("idempotency_key", models.CharField(blank=True, max_length=255, null=True)),
+                ("owner_token", models.CharField(blank=True, max_length=64, null=True)),
+                ("leased_until", models.DateTimeField(blank=True, null=True)),
+                ("last_error", models.TextField(blank=True)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("updated_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "backend",
+                    models.CharField(default="default", help_text="Backend the job was dispatched to.", max_length=100),
+                ),
             ],
             options={
-                'ordering': ['-created_at'],
-                'indexes': [models.Index(condition=models.Q(('status', 'pending')), fields=['queue', '-priority', 'available_at', 'id'], name='django_jobs_claim_idx'), models.Index(condition=models.Q(('status', 'in_progress')), fields=['leased_until'], name='django_jobs_lease_idx'), models.Index(fields=['status', 'queue'], name='django_jobs_status_idx')],
+                "ordering": ["-created_at"],
+                "indexes": [
+                    models.Index(
+                        condition=models.Q(("status", "pending")),
+                        fields=["queue", "-priority", "available_at", "id"],
+                        name="django_jobs_claim_idx",
+                    ),
+                    models.Index(
+                        condition=models.Q(("status", "in_progress")),
+                        fields=["leased_until"],
+                        name="django_jobs_lease_idx",
+                    ),
+                    models.Index(fields=["status", "queue"], name="django_jobs_status_idx"),
+                ],
             },
         ),
     ]

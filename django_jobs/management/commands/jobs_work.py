@@ -38,19 +38,20 @@ class Command(BaseCommand):
             raise CommandError(_validate.one_line(exc)) from exc
         pool = WorkerPool(
             lambda: QueueWorker(backend, queues),
-            opts["concurrency"], max_jobs=1 if opts["once"] else opts["max_jobs"], max_time=opts["max_time"],
-            once=opts["once"], sleep=opts["sleep"], on_result=self.report,
+            opts["concurrency"],
+            max_jobs=1 if opts["once"] else opts["max_jobs"],
+            max_time=opts["max_time"],
+            once=opts["once"],
+            sleep=opts["sleep"],
+            on_result=self.report,
         )
         pool.install_signal_handlers()
         self.stdout.write(
-            f"django-jobs worker started: backend={backend} "
-            f"queues={','.join(queues)} concurrency={opts['concurrency']}"
+            f"django-jobs worker started: backend={backend} queues={','.join(queues)} concurrency={opts['concurrency']}"
         )
         self.stdout.flush()
         if pool.run():
-            raise CommandError(
-                "worker processes keep dying at start-up (see the errors logged above); giving up"
-            )
+            raise CommandError("worker processes keep dying at start-up (see the errors logged above); giving up")
 
     def report(self, result: WorkerResult) -> None:
         error = f"  {result.error.splitlines()[0]}" if result.error else ""
