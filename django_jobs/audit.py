@@ -18,7 +18,7 @@ from django.utils import timezone
 from . import signing
 from .envelope import Envelope, new_id
 from .exceptions import BadSignature, InvalidPayload
-from .models import Job, JobStatus
+from .models import Job, JobStatus, envelope_columns
 
 logger = logging.getLogger("django_jobs.audit")
 
@@ -29,18 +29,9 @@ def record_failure(envelope: Envelope, error: str, backend: str, attempts: int, 
     now = timezone.now()
     try:
         fields: dict[str, Any] = {
-            "queue": envelope.queue,
-            "handler": envelope.handler,
-            "payload": envelope.payload,
-            "options": envelope.options,
-            "signature": envelope.signature,
-            "name": envelope.name,
+            **envelope_columns(envelope),
             "status": JobStatus.FAILED,
             "attempts": attempts,
-            "max_retries": envelope.max_retries,
-            "priority": envelope.priority,
-            "timeout": envelope.timeout,
-            "idempotency_key": envelope.idempotency_key,
             "last_error": error,
             "finished_at": now,
             "updated_at": now,

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
+
+if TYPE_CHECKING:
+    from .envelope import Envelope
 
 
 class JobStatus(models.TextChoices):
@@ -12,6 +17,18 @@ class JobStatus(models.TextChoices):
     IN_PROGRESS = "in_progress", "In progress"
     COMPLETED = "completed", "Completed"
     FAILED = "failed", "Failed"
+
+
+# The columns that hold a job's own message fields; the others are its state in the table.
+ENVELOPE_COLUMNS = (
+    "queue", "handler", "payload", "options", "signature", "name", "max_retries", "priority", "timeout",
+    "idempotency_key",
+)  # fmt: skip
+
+
+def envelope_columns(envelope: Envelope) -> dict[str, Any]:
+    """A ``Job`` row's message columns, from ``envelope`` (its id aside)."""
+    return {column: getattr(envelope, column) for column in ENVELOPE_COLUMNS}
 
 
 class Job(models.Model):

@@ -18,7 +18,7 @@ from .backends import get_backend
 from .backends.database import DatabaseBackend
 from .envelope import Envelope
 from .exceptions import BadSignature, InvalidPayload
-from .models import Job, JobStatus
+from .models import ENVELOPE_COLUMNS, Job, JobStatus
 
 logger = logging.getLogger("django_jobs.operations")
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -149,19 +149,8 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
 
 def envelope_of(row: Job) -> Envelope:
     """The envelope a ``Job`` row describes, as first dispatched (attempts 0, available now)."""
-    return Envelope(
-        id=row.id,
-        handler=row.handler,
-        payload=row.payload,
-        queue=row.queue,
-        priority=row.priority,
-        max_retries=row.max_retries,
-        name=row.name,
-        idempotency_key=row.idempotency_key,
-        timeout=row.timeout,
-        options=row.options or {},
-        signature=row.signature,
-    )
+    columns = {column: getattr(row, column) for column in ENVELOPE_COLUMNS}
+    return Envelope(id=row.id, **{**columns, "options": row.options or {}})
 
 
 def stats(backend_names: list[str] | None = None) -> list[dict[str, Any]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from . import signing
 from .backends import get_backend
@@ -20,16 +20,10 @@ logger = logging.getLogger("django_jobs.reaper")
 class Reaper:
     """Calls ``reap_expired`` for each queue (every queue when ``queues`` is empty)."""
 
-    def __init__(
-        self,
-        backend: QueueBackend | str | None = None,
-        queues: list[str] | None = None,
-        *,
-        metrics: MetricsCollector | None = None,
-    ) -> None:
-        self.backend = backend if isinstance(backend, QueueBackend) else get_backend(backend)
-        self.queues = list(queues or [])
-        self.metrics = metrics or get_collector()
+    def __init__(self, backend: QueueBackend | str | None = None, queues: Sequence[str] = ()) -> None:
+        self.backend = get_backend(backend) if backend is None or isinstance(backend, str) else backend
+        self.queues = list(queues)
+        self.metrics: MetricsCollector = get_collector()
 
     def reap_once(self) -> int:
         """Recover every expired lease now; return how many were recovered."""

@@ -152,7 +152,9 @@ class QueueWorker:
         """
         sleep = conf.get("POLL_INTERVAL") if sleep is None else sleep
         limits = RunLimits(max_jobs, max_time, once, budget)
-        reaper = Reaper(self.backend, self.queues, metrics=self.metrics) if reap else None
+        reaper = Reaper(self.backend, self.queues) if reap else None
+        if reaper is not None:
+            reaper.metrics = self.metrics
         next_reap = time.monotonic() if reaper else math.inf
         outages = 0
         if self.backend.pipelines_ack_fetch:

@@ -21,7 +21,7 @@ from django.utils.dateparse import parse_datetime
 from .. import conf
 from ..envelope import Envelope
 from ..exceptions import InvalidPayload, LeaseLost, WorkerLost
-from ..models import Job, JobStatus
+from ..models import Job, JobStatus, envelope_columns
 from ..retry import after_lost_run
 from .base import Lease, QueueBackend
 
@@ -120,18 +120,9 @@ class DatabaseBackend(QueueBackend):
     def _row(self, envelope: Envelope, now: datetime) -> Job:
         return Job(
             id=envelope.id,
-            queue=envelope.queue,
-            handler=envelope.handler,
-            payload=envelope.payload,
-            options=envelope.options,
-            signature=envelope.signature,
-            name=envelope.name,
+            **envelope_columns(envelope),
             attempts=envelope.attempts,
-            max_retries=envelope.max_retries,
-            priority=envelope.priority,
             available_at=envelope.available_at or now,
-            timeout=envelope.timeout,
-            idempotency_key=envelope.idempotency_key,
             created_at=now,
             updated_at=now,
             backend=self.name,

@@ -8,7 +8,8 @@ permanent failure is recorded as a failed ``Job`` row, like every backend's.
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Any
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 from django.utils import timezone
 
@@ -24,14 +25,19 @@ class SyncBackend(QueueBackend):
     supports_retry = False
     persistent = False
 
-    def __init__(self, name: str, options: dict[str, Any]) -> None:
-        super().__init__(name, options)
-        self.last_results: list[WorkerResult] = []
-        self._pipeline: DeliveryPipeline | None = None
+    @cached_property
+    def last_results(self) -> list[WorkerResult]:
+        """The results of the last 100 jobs it ran, oldest first (for tests)."""
+        return []
 
-    def enqueue(self, envelope: Envelope) -> str:
+    @cached_property
+    def pipeline(self) -> DeliveryPipeline:
+        """Built once: it autodiscovers the ``@job`` modules."""
         from ..pipeline import DeliveryPipeline  # the pipeline imports the backends package
 
+        return DeliveryPipeline(self)
+
+    def enqueue(self, envelope: Envelope) -> str:
         lease = Lease(
             token=envelope.id,
             owner_token=secrets.token_hex(8),
@@ -39,10 +45,8 @@ class SyncBackend(QueueBackend):
             queue=envelope.queue,
             envelope=envelope,
         )
-        if self._pipeline is None:  # built once: it autodiscovers the @job modules
-            self._pipeline = DeliveryPipeline(self)
-        result = self._pipeline.process(lease)
-        self.last_results = [*self.last_results[-99:], result]
+        self.last_results.append(self.pipeline.process(lease))
+        del self.last_results[:-100]
         return envelope.id
 
     def fetch(self, queue: str) -> Lease | None:
