@@ -29,12 +29,12 @@ for entry in (str(HERE), str(HERE.parent)):
         sys.path.append(entry)  # after PYTHONPATH, so run.py --ref can put an exported django_jobs first
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
 
-import django  # noqa: E402
+import django
 
 django.setup()
 
-from django.db import connection, transaction  # noqa: E402
-from django.db.models import Count, Max, Min  # noqa: E402
+from django.db import connection, transaction
+from django.db.models import Count, Max, Min
 
 SYSTEM = os.environ.get("BENCH_SYSTEM", "jobs")
 

@@ -24,6 +24,7 @@ subprocesses (bench/driver.py, bench/manage.py) with bench/settings.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -52,7 +53,7 @@ class BenchError(RuntimeError):
 
 
 def git(*argv: str) -> str:
-    proc = subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise BenchError(f"git {' '.join(argv)}: {proc.stderr.strip()}")
     return proc.stdout
@@ -89,7 +90,7 @@ def base_env(args: argparse.Namespace, first_on_path: list[str]) -> dict[str, st
 
 
 def run_json(cmd: list[str], env: dict[str, str], what: str, timeout: float = 900) -> dict:
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
         raise BenchError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     lines = [line for line in proc.stdout.strip().splitlines() if line.strip()]
@@ -106,7 +107,7 @@ def driver(env: dict[str, str], *argv: str) -> dict:
 def manage(env: dict[str, str], *argv: str, timeout: float = 900) -> None:
     proc = subprocess.run(
         [sys.executable, str(HERE / "manage.py"), *argv],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
     )
     if proc.returncode != 0:
         raise BenchError(f"manage.py {' '.join(argv)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -126,8 +127,8 @@ class Postgres:
         import psycopg  # the harness needs it only to create/drop databases
 
         self.psycopg = psycopg
-        self.params = dict(host=args.pg_host, port=args.pg_port, user=args.pg_user,
-                           dbname=args.pg_maintenance_db, autocommit=True)
+        self.params = {"host": args.pg_host, "port": args.pg_port, "user": args.pg_user,
+                       "dbname": args.pg_maintenance_db, "autocommit": True}
         self.conn = psycopg.connect(**self.params)
         self.prefix = args.pg_prefix
         self.created: set[str] = set()
@@ -136,10 +137,8 @@ class Postgres:
         try:
             return self.conn.execute(sql, params)
         except self.psycopg.OperationalError:
-            try:
+            with contextlib.suppress(self.psycopg.Error):  # the old connection is broken anyway
                 self.conn.close()
-            except Exception:
-                pass
             time.sleep(2)
             self.conn = self.psycopg.connect(**self.params)
             return self.conn.execute(sql, params)
@@ -363,6 +362,12 @@ def render(summary: dict, variants: list[tuple[str, str]], systems: list[str], n
     many = len({cma for _, cma in variants}) > 1
     head = ["backend", "system"] + [h for _, _, h in METRICS] + ["SQL/job disp/drain", "pg txn/job drain"]
     rows = []
+
+    def cell(s: dict, key: str) -> str:
+        # a median over fewer runs than asked for is flagged "(ok/runs)"
+        ok = s["counts"][key]
+        return fmt(s[key]) + ("" if ok == s["runs"] else f" ({ok}/{s['runs']})")
+
     for engine, cma in variants:
         label = variant_label(engine, cma, many)
         for system in systems:
@@ -371,15 +376,10 @@ def render(summary: dict, variants: list[tuple[str, str]], systems: list[str], n
             if s.get("dispatch_queries_per_job") is not None:
                 q = f"{s['dispatch_queries_per_job']:.1f} / " + (
                     f"{s['drain_queries_per_job']:.1f}" if s.get("drain_queries_per_job") else "n/a")
-            def cell(key: str) -> str:
-                # a median over fewer runs than asked for is flagged "(ok/runs)"
-                ok = s["counts"][key]
-                return fmt(s[key]) + ("" if ok == s["runs"] else f" ({ok}/{s['runs']})")
-
-            bulk = cell("dispatch_bulk") if system == "jobs" else "none"
+            bulk = cell(s, "dispatch_bulk") if system == "jobs" else "none"
             txn = fmt(s.get("drain_pg_transactions_per_job"), 1) if engine == "postgres" else ""
-            rows.append([label, SYSTEMS[system], cell("dispatch"), cell("dispatch_atomic"), bulk,
-                         cell("drain"), cell("drain_wall"), q, txn])
+            rows.append([label, SYSTEMS[system], cell(s, "dispatch"), cell(s, "dispatch_atomic"), bulk,
+                         cell(s, "drain"), cell(s, "drain_wall"), q, txn])
         if "jobs" in systems and "tasksdb" in systems:
             a, b = summary[f"{engine}/{cma}/jobs"], summary[f"{engine}/{cma}/tasksdb"]
             rows.append([label, "ratio jobs / tasks-db", ratio(a["dispatch"], b["dispatch"]),
@@ -411,7 +411,8 @@ def versions(env: dict[str, str]) -> dict:
         "import django_jobs; out['django_jobs_imported_from']=list(django_jobs.__path__)[0]\n"
         "print(json.dumps(out))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=tempfile.gettempdir(), check=False)
     try:
         return json.loads(proc.stdout)
     except json.JSONDecodeError:
@@ -457,7 +458,7 @@ def main() -> int:
     first_on_path, source = django_jobs_source(args, tmpdir)
     env0 = base_env(args, first_on_path)
     pg = Postgres(args) if "postgres" in engines else None
-    started = dt.datetime.now(dt.timezone.utc)
+    started = dt.datetime.now(dt.UTC)
     meta = {
         "started": started.isoformat(),
         "argv": sys.argv,
@@ -490,7 +491,7 @@ def main() -> int:
         summary = summarise(all_runs, variants, systems)
         table = render(summary, variants, systems, args.jobs, args.runs)
         meta["complete"] = complete
-        meta["finished"] = dt.datetime.now(dt.timezone.utc).isoformat()
+        meta["finished"] = dt.datetime.now(dt.UTC).isoformat()
         out.write_text(json.dumps({"meta": meta, "summary": summary, "table": table, "runs": all_runs},
                                   indent=2, default=str))
         return table
@@ -506,7 +507,7 @@ def main() -> int:
                     try:
                         r = one_run(args, env0, engine, cma, system, run_idx, tmpdir, pg,
                                     probe=run_idx == 0 and args.probe_jobs > 0)
-                    except Exception as exc:  # record it and go on with the next run
+                    except Exception as exc:  # noqa: BLE001 - recorded in the results; the next run goes on
                         r = {"engine": engine, "conn_max_age": cma, "system": system, "run": run_idx,
                              "error": f"{type(exc).__name__}: {exc}"}
                     r["n"] = args.jobs
@@ -539,7 +540,7 @@ def main() -> int:
                 if not args.keep:
                     pg.drop_all()
                 pg.close()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed clean-up must not lose the results
             print(f"warning: could not drop the benchmark databases: {exc}", file=sys.stderr)
         if not args.keep:
             shutil.rmtree(tmpdir, ignore_errors=True)

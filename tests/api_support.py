@@ -1,7 +1,7 @@
 """Helpers for the in-process API / bad-input / idempotency / metrics / admin / command / check tests.
 
-Import the ``clean_state`` fixture into a test module to use it (pytest finds fixtures by name
-in the module namespace).
+Its fixtures (``backend``, ``clean_state``) reach every test module through ``pytest_plugins`` in
+tests/conftest.py: ask for them by name (or with ``pytest.mark.usefixtures``), never import them.
 """
 
 from __future__ import annotations

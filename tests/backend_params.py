@@ -1,7 +1,7 @@
 """The backends the conformance suite runs against, one ``pytest.param`` entry each.
 
-A new backend joins ``tests/test_conformance.py`` (whose ``queue_backend`` fixture is
-parametrized over this list) by adding one entry to ``BACKEND_PARAMS``:
+A new backend joins ``tests/integration/test_conformance.py`` (whose ``queue_backend``
+fixture is parametrized over this list) by adding one entry to ``BACKEND_PARAMS``:
 its ``JOBS["BACKENDS"]`` name (tests/settings.py), the fixtures that bring its service up,
 and — where the test harness can do it — two hooks:
 

@@ -1,4 +1,8 @@
-"""Shared fixtures: real services that skip locally but fail under CI=true."""
+"""Shared fixtures: real services that skip locally but fail under CI=true.
+
+Fixtures that several test modules share live here, or in the plugin modules of
+``pytest_plugins`` below; a test module never imports a fixture.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,13 @@ import os
 
 import pytest
 from hypothesis import settings as hypothesis_settings
+
+# Support modules whose fixtures every test module can use:
+# - tests.api_support: ``backend`` (the database backend on SQLite and PostgreSQL) and
+#   ``clean_state`` (caches and recording handlers emptied around a test);
+# - tests.fake_servicebus: ``servicebus_fake`` (autouse: the servicebus backend talks to an
+#   in-memory namespace, never to the network).
+pytest_plugins = ["tests.api_support", "tests.fake_servicebus"]
 
 hypothesis_settings.register_profile("ci", max_examples=200, deadline=None)
 hypothesis_settings.register_profile("dev", max_examples=50, deadline=None)
@@ -126,21 +137,22 @@ def beanstalkd_server():
 @pytest.fixture
 def beanstalk_up(beanstalkd_server):
     """beanstalkd is up, and this session's tubes are empty before the test starts."""
+    import gc
+
     import greenstalk
     from django.conf import settings
 
     from django_jobs import backends
+    from tests.beanstalk_support import raw_tube
 
     # Close the previous test's connections: beanstalkd releases the jobs they still reserve.
     # Instances dropped by an override_settings(JOBS=...) close theirs when collected.
-    import gc
-
     gc.collect()
     backends.get_backend("beanstalk").close()
     backends.reset(close=False)
     for queue in settings.JOBS["QUEUES"]:
         tube = f"{settings.BEANSTALK_PREFIX}.{queue}"
-        with greenstalk.Client(beanstalkd_server, encoding=None, use=tube, watch=tube) as client:
+        with raw_tube(beanstalkd_server, tube) as client:
             for peek in (client.peek_ready, client.peek_delayed, client.peek_buried):
                 while True:
                     try:
@@ -158,9 +170,6 @@ def _fresh_metrics():
     if hasattr(collector, "reset"):
         collector.reset()
     yield collector
-
-
-from tests.fake_servicebus import servicebus_fake  # noqa: E402,F401
 
 
 # -- Private servers (tests that restart, crash or disconnect a server) ----------------------------
@@ -201,5 +210,24 @@ def private_redis():
     try:
         server.start()
         yield RedisForTests(server)
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def private_beanstalkd(tmp_path):
+    """A beanstalkd of this test's own (binlog in its tmp folder, free loopback port, see
+    tests/servers.py), started. ``.address`` is its (host, port); ``.kill()`` is a ``kill -9``
+    and ``.start()`` a start that replays the binlog. One per test: a test that kills it leaves
+    nothing behind for the next one."""
+    import shutil
+
+    from tests.servers import PrivateBeanstalkd
+
+    require_service("beanstalkd binary", shutil.which("beanstalkd") is not None, "beanstalkd is not on PATH")
+    server = PrivateBeanstalkd(tmp_path)
+    try:
+        server.start()
+        yield server
     finally:
         server.cleanup()

@@ -2,8 +2,8 @@
 
 The servicebus backend under test is the real ``django_jobs.backends.servicebus``; only the
 ``ServiceBusClient`` and ``ServiceBusAdministrationClient`` it looks up at call time are swapped
-for the classes below (``tests/test_servicebus.py`` checks their signatures against the installed
-SDK). Outgoing messages and batches are the SDK's own ``ServiceBusMessage`` and
+for the classes below (``tests/integration/test_servicebus.py`` checks their signatures against
+the installed SDK). Outgoing messages and batches are the SDK's own ``ServiceBusMessage`` and
 ``ServiceBusMessageBatch``, so message building and batch size limits are real.
 
 Modelled as Azure behaves (and as the SDK source reports it):
@@ -579,7 +579,7 @@ def expire_lock(backend: Any, lease: Any) -> None:
     NAMESPACE.expire_lock(lease.raw.message)
 
 
-# -- the fixture (imported into tests/conftest.py, so it is autouse for the whole suite) --
+# -- the fixture (a plugin of tests/conftest.py's pytest_plugins: autouse for the whole suite) --
 
 
 @pytest.fixture(autouse=True)
@@ -636,7 +636,7 @@ def _live_namespace(backend_class: type) -> Iterator[None]:
     Run it with::
 
         JOBS_TEST_SERVICEBUS_CONNECTION_STRING='Endpoint=sb://<ns>.servicebus.windows.net/;SharedAccessKeyName=...;SharedAccessKey=...' \\
-            .venv/bin/python -m pytest tests/test_conformance.py -k servicebus-live
+            .venv/bin/python -m pytest tests/integration/test_conformance.py -k servicebus-live
 
     The connection string needs Manage rights when the queues do not exist yet: queues
     ``<PREFIX>default``, ``<PREFIX>other`` and ``<PREFIX>emails`` (``PREFIX`` from

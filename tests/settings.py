@@ -110,7 +110,7 @@ JOBS = {
     },
     "QUEUES": ["default", "other", "emails"],
     "POLL_INTERVAL": 0.05,
-    # The command handler runs only allowlisted management commands (tests/test_api.py runs this one).
+    # The command handler runs only allowlisted management commands (tests/integration/test_api.py runs it).
     "ALLOWED_COMMANDS": ["clearsessions"],
 }
 if os.environ.get("JOBS_TEST_IDEMPOTENCY_REDIS"):

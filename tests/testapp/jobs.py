@@ -27,9 +27,8 @@ def scripted(action: str = "ok", key: str | None = None, db: str = "default", se
     _record(key, db)
     if action == "raise":
         raise RuntimeError("scripted failure")
-    if action == "flaky":
-        if SideEffect.objects.using(db).filter(key=key).count() <= fail_times:
-            raise RuntimeError("flaky failure")
+    if action == "flaky" and SideEffect.objects.using(db).filter(key=key).count() <= fail_times:
+        raise RuntimeError("flaky failure")
     if action == "exit":
         os._exit(3)
     if action == "sleep":

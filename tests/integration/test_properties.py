@@ -2,8 +2,9 @@
 messages, signature tamper-resistance, key rotation, and a model-checked state machine over the
 backend protocol (database on SQLite, Redis) driven by a fake clock — no sleeps, no timing.
 
-tests/test_retry.py and tests/test_envelope.py already cover bounded backoff ranges, arbitrary
-bytes/text, envelope-shaped JSON and a fixed list of tampered fields; this file extends them.
+tests/unit/test_retry.py and tests/integration/test_envelope.py already cover bounded backoff
+ranges, arbitrary bytes/text, envelope-shaped JSON and a fixed list of tampered fields; this file
+extends them.
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ non_negative = any_float | edge_floats
 any_attempt = st.integers() | st.sampled_from([0, 1, 2, -1, -(10**30), 10**30, 2**63, 2**1000])
 
 
-def spec_raw(base: float, multiplier: float, maximum: float, attempt: int) -> float:
-    """SPEC 4 ``min(max, base * multiplier ** (attempt - 2))`` computed in log space, so that
-    overflow never decides the answer (``0 * anything`` is 0, a huge product is ``max``)."""
+def unjittered_delay(base: float, multiplier: float, maximum: float, attempt: int) -> float:
+    """The exponential backoff ``min(max, base * multiplier ** (attempt - 2))`` computed in log
+    space, so that overflow never decides the answer (``0 * anything`` is 0, a huge product is ``max``)."""
     exponent = attempt - 2
     if maximum == 0 or base == 0 or (multiplier == 0 and exponent > 0):
         return 0.0
@@ -99,17 +100,17 @@ def test_delay_stays_in_zero_to_max_for_unbounded_inputs(base, multiplier, maxim
 def test_exponential_matches_the_spec_formula_for_unbounded_inputs(base, multiplier, maximum, attempt):
     unjittered = RetryPolicy(base=base, strategy="exponential", multiplier=multiplier, max=maximum, jitter=False)
     cap = min(maximum, MAX_DELAY_SECONDS)  # no delay is ever longer than a year
-    raw = spec_raw(base, multiplier, cap, attempt)
+    raw = unjittered_delay(base, multiplier, cap, attempt)
     assert close(unjittered.compute_delay(attempt), raw)
     # Jitter: within ±15 % of the capped delay, then capped again (never above the cap).
     jittered = replace(unjittered, jitter=True).compute_delay(attempt)
     assert (1 - JITTER) * raw * (1 - 1e-6) - 1e-300 <= jittered <= min((1 + JITTER) * raw * (1 + 1e-6) + 1e-300, cap)
     full = RetryPolicy(base=base, strategy="full_jitter", max=maximum).compute_delay(attempt)
-    assert 0 <= full <= spec_raw(base, 2.0, cap, attempt) * (1 + 1e-6) + 1e-300
+    assert 0 <= full <= unjittered_delay(base, 2.0, cap, attempt) * (1 + 1e-6) + 1e-300
 
 
 def test_zero_base_never_waits_even_when_the_growth_factor_overflows(monkeypatch):
-    # 10.0 ** 398 overflows a float: the product with base 0 is still 0 by the spec formula.
+    # 10.0 ** 398 overflows a float: the product with base 0 is still 0 by the formula.
     assert RetryPolicy(base=0, strategy="exponential", multiplier=10.0, max=300, jitter=False).compute_delay(400) == 0
     monkeypatch.setattr("django_jobs.retry.random.uniform", lambda low, high: high)
     assert RetryPolicy(base=0, strategy="full_jitter", max=300).compute_delay(2000) == 0
@@ -282,7 +283,7 @@ def test_changing_any_signed_field_to_any_value_is_rejected(field, value, style,
     available_at=st.none() | st.integers(min_value=0, max_value=2**33) | st.floats(min_value=-1e9, max_value=1e10),
 )
 def test_rewriting_attempts_and_available_at_alone_still_verifies(attempts, available_at):
-    # By design (SPEC 9): requeues rewrite these two, so they are outside the MAC.
+    # Outside the MAC by design: requeues rewrite these two, and a requeued message must still verify.
     data = json.loads(original().to_bytes())
     data["attempts"], data["available_at"] = attempts, available_at
     env = decode_and_verify(json.dumps(data).encode())
@@ -944,7 +945,7 @@ class RedisMachine(BackendMachine):
                 got = Seen("leased", attempts, owner.decode(), r / 1000)
             elif f is not None:
                 row = audit.get(job_id)
-                # Every permanent failure is also a failed Job row (SPEC 7), with the same count.
+                # Every permanent failure, whatever the backend, is also a failed Job row with the same count.
                 assert row is not None and row["status"] == "failed" and row["attempts"] == attempts, (job_id, row)
                 got = Seen("failed", attempts, snapshot=(f, body, error, row))
             else:

@@ -1,4 +1,4 @@
-"""System checks (SPEC 2): ``manage.py check`` reports bad JOBS settings before a worker starts."""
+"""System checks: ``manage.py check`` reports bad ``JOBS`` settings before a worker starts."""
 
 from __future__ import annotations
 

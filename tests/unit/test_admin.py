@@ -1,4 +1,4 @@
-"""The Job admin (SPEC 12), driven through the Django test client as a logged-in superuser."""
+"""The Job admin, driven through the Django test client as a logged-in superuser."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from django.urls import reverse
 from django_jobs import Jobs
 from django_jobs.models import Job
 from django_jobs.worker import QueueWorker
-from tests.api_support import clean_state, drain, runs  # noqa: F401  (clean_state is a fixture)
+from tests.api_support import drain, runs
 from tests.testapp.jobs import scripted
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("clean_state")]

@@ -22,8 +22,6 @@ from tests.api_support import (
     GiveUpHandler,
     alias,
     bare_job,
-    backend,  # noqa: F401  (fixture)
-    clean_state,  # noqa: F401  (fixture)
     configured_job,
     counter,
     drain,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-mypy_api = pytest.importorskip("mypy.api")
+from tests.procs import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+mypy_api = pytest.importorskip("mypy.api")
 
 GOOD = '''
 from datetime import timedelta
@@ -87,14 +87,14 @@ def reported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, se
         (folder / f"{name}.py").write_text(textwrap.dedent(text))
     args = [
         str(folder / "good.py"), str(folder / "bad.py"),
-        "--config-file", str(ROOT / "pyproject.toml"),
+        "--config-file", str(REPO_ROOT / "pyproject.toml"),
         "--cache-dir", str(folder / ".mypy_cache"),
         "--follow-imports", "silent",  # the package's own errors are the package check's business
         "--hide-error-context", "--no-pretty", "--no-error-summary", "--show-error-codes",
     ]
     # The package is installed in editable mode through an import hook mypy cannot follow.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MYPYPATH", str(ROOT))
+        patch.setenv("MYPYPATH", str(REPO_ROOT))
         stdout, stderr, status = mypy_api.run(args)
     assert status in (0, 1), f"mypy did not run: {stderr}{stdout}"
     found: dict[str, dict[int, set[str]]] = {"good": {}, "bad": {}}

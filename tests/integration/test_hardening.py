@@ -70,9 +70,11 @@ def test_rotating_secret_key_keeps_queued_jobs_valid_through_secret_key_fallback
     env = scripted.using().builder(action="ok").build()
     with override_settings(SECRET_KEY="a-brand-new-secret-key", SECRET_KEY_FALLBACKS=[settings.SECRET_KEY]):
         signing.verify(env)  # signed with the old key, still accepted
-    with override_settings(SECRET_KEY="a-brand-new-secret-key", SECRET_KEY_FALLBACKS=[]):
-        with pytest.raises(BadSignature):
-            signing.verify(env)
+    with (
+        override_settings(SECRET_KEY="a-brand-new-secret-key", SECRET_KEY_FALLBACKS=[]),
+        pytest.raises(BadSignature),
+    ):
+        signing.verify(env)
 
 
 def test_backoff_refuses_unknown_options():
@@ -139,7 +141,9 @@ def test_a_job_without_payload_runs_with_an_empty_object():
 def test_the_message_cap_applies_to_the_whole_envelope_at_dispatch():
     from django_jobs.exceptions import InvalidPayload
 
-    with override_settings(JOBS={**settings.JOBS, "MAX_MESSAGE_BYTES": 400}):
-        # The payload alone fits; with the envelope's fields and signature it does not.
-        with pytest.raises(InvalidPayload, match="message of"):
-            Jobs.define("command", "x" * 300).build()
+    # The payload alone fits; with the envelope's fields and signature it does not.
+    with (
+        override_settings(JOBS={**settings.JOBS, "MAX_MESSAGE_BYTES": 400}),
+        pytest.raises(InvalidPayload, match="message of"),
+    ):
+        Jobs.define("command", "x" * 300).build()

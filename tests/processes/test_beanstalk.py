@@ -1,7 +1,7 @@
 """beanstalkd-specific behaviour of the beanstalk backend, against a real beanstalkd.
 
 The protocol itself (fetch, ack, nack, abandon, priority, concurrency) is covered for beanstalk
-by tests/test_conformance.py. This file covers what only beanstalkd has: leases that are
+by tests/integration/test_conformance.py. This file covers what only beanstalkd has: leases that are
 reservations (TTR, ``touch``, release when a connection dies), the ``reserves`` count turned
 into lost runs, ``bury`` as the dead letter, a beanstalkd ``kill -9`` + binlog restart under
 running workers, raw bytes ``put`` straight into a tube, the priority/delay mapping, the
@@ -47,15 +47,7 @@ from django_jobs.exceptions import LeaseLost
 from django_jobs.metrics import get_collector
 from django_jobs.models import Job, JobStatus
 from django_jobs.worker import QueueWorker
-from tests.beanstalk_support import (
-    PrivateBeanstalkd,
-    beanstalkd_binary,
-    free_port,
-    job_state,
-    raw_tube,
-    tube_counts,
-)
-from tests.conftest import require_service
+from tests.beanstalk_support import job_state, raw_tube, tube_counts
 from tests.procs import pid_alive, processes, wait_until, worker_env
 from tests.testapp.jobs import scripted
 from tests.testapp.models import SideEffect
@@ -277,7 +269,9 @@ def test_job_that_kills_its_worker_every_time_is_buried_after_max_retries_plus_o
 @pytest.mark.slow
 @pytest.mark.postgres
 @pytest.mark.django_db(databases=["default", PG], transaction=True)
-def test_workers_survive_a_beanstalkd_kill_and_binlog_restart_and_no_job_is_lost(postgres_up, tmp_path, capsys):
+def test_workers_survive_a_beanstalkd_kill_and_binlog_restart_and_no_job_is_lost(
+    postgres_up, private_beanstalkd, capsys
+):
     """kill -9 a private beanstalkd (never the shared one) under two busy workers, restart it
     ~1 s later on the same port with the same binlog: the workers keep running, log the
     connection error, and every one of the 300 jobs runs; the tube ends empty.
@@ -285,11 +279,10 @@ def test_workers_survive_a_beanstalkd_kill_and_binlog_restart_and_no_job_is_lost
     max_retries leaves room for the reservations the kill broke: beanstalkd counts each in
     ``reserves`` (a lost run) while the workers were still connected.
     """
-    require_service("beanstalkd binary", beanstalkd_binary() is not None, "beanstalkd is not on PATH")
+    server = private_beanstalkd
     total = 300
     prefix = unique("brestart")
-    with PrivateBeanstalkd(free_port(), tmp_path) as server, processes() as procs:
-        server.start()
+    with processes() as procs:
         host, port = server.address
         beanstalk = {
             "ENGINE": "beanstalk",
@@ -317,7 +310,8 @@ def test_workers_survive_a_beanstalkd_kill_and_binlog_restart_and_no_job_is_lost
                     return SideEffect.objects.using(PG).filter(key__startswith=prefix + "-")
 
                 wait_until(lambda: runs().count() >= 20, 30, "the workers to be busy")
-                assert server.kill9() == -signal.SIGKILL
+                server.kill()
+                assert server.popen.returncode == -signal.SIGKILL
                 ran_before = runs().values("key").distinct().count()
                 assert ran_before < total, "the queue drained before the kill: nothing was tested"
                 time.sleep(1)  # the outage itself (not a wait for anything)
@@ -372,30 +366,28 @@ def test_workers_survive_a_beanstalkd_kill_and_binlog_restart_and_no_job_is_lost
 
 
 @pytest.mark.django_db
-def test_dispatching_process_reconnects_after_a_beanstalkd_restart(tmp_path):
+def test_dispatching_process_reconnects_after_a_beanstalkd_restart(private_beanstalkd):
     """A web process dispatches, beanstalkd restarts: dispatching must work again without a
     process restart (one failed call at the moment of the outage is tolerated)."""
-    require_service("beanstalkd binary", beanstalkd_binary() is not None, "beanstalkd is not on PATH")
-    with PrivateBeanstalkd(free_port(), tmp_path) as server:
+    server = private_beanstalkd
+    host, port = server.address
+    backend = BeanstalkBackend("beanstalk", {"HOST": host, "PORT": port, "PREFIX": settings.BEANSTALK_PREFIX})
+    try:
+        backend.enqueue(envelope())
+        server.kill()
         server.start()
-        host, port = server.address
-        backend = BeanstalkBackend("beanstalk", {"HOST": host, "PORT": port, "PREFIX": settings.BEANSTALK_PREFIX})
-        try:
-            backend.enqueue(envelope())
-            server.kill9()
-            server.start()
-            errors = []
-            for _ in range(3):
-                try:
-                    backend.enqueue(envelope())
-                    break
-                except Exception as exc:  # noqa: BLE001 (recorded for the assertion message)
-                    errors.append(f"{type(exc).__name__}: {exc}")
-            assert len(errors) <= 1, f"enqueue never recovered: {errors}"
-            with raw_tube(server.address, backend.tube_name("default")) as client:
-                assert tube_counts(client, backend.tube_name("default"))["pending"] == 2
-        finally:
-            backend.close()
+        errors = []
+        for _ in range(3):
+            try:
+                backend.enqueue(envelope())
+                break
+            except Exception as exc:  # noqa: BLE001 (recorded for the assertion message)
+                errors.append(f"{type(exc).__name__}: {exc}")
+        assert len(errors) <= 1, f"enqueue never recovered: {errors}"
+        with raw_tube(server.address, backend.tube_name("default")) as client:
+            assert tube_counts(client, backend.tube_name("default"))["pending"] == 2
+    finally:
+        backend.close()
 
 
 # -- 4. raw bytes put straight into a tube -------------------------------------------------------------

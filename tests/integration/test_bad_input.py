@@ -20,8 +20,6 @@ from django_jobs.models import Job
 from django_jobs.worker import QueueWorker
 from tests.api_support import (
     alias,
-    backend,  # noqa: F401  (fixture)
-    clean_state,  # noqa: F401  (fixture)
     counter,
     jobs_settings,
     row,

@@ -1,7 +1,7 @@
 """Redis-specific behaviour of the Redis backend, against a real Redis server.
 
 The protocol itself (fetch, ack, nack, abandon, fencing, reaping, priority) is covered for
-Redis by tests/test_conformance.py. This file covers what only Redis has: real worker
+Redis by tests/integration/test_conformance.py. This file covers what only Redis has: real worker
 processes sharing one Redis queue, a crashed worker's lease recovered by ``jobs_reap``,
 workers surviving a Redis restart, raw bytes pushed into the keys, the failed set and its
 admin retry, on-commit dispatch, the django-redis cache option, the missing extra, the
@@ -28,11 +28,14 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import redis
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.db import transaction
 from django.test import override_settings
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from django_jobs import Jobs
 from django_jobs.backends import get_backend
@@ -43,9 +46,7 @@ from django_jobs.metrics import get_collector
 from django_jobs.models import Job, JobStatus
 from django_jobs.operations import retry_jobs
 from django_jobs.worker import QueueWorker
-from tests.conftest import require_service
 from tests.procs import pid_alive, processes, wait_until, worker_env
-from tests.redis_support import PrivateRedis, free_port, redis_server_binary
 from tests.testapp.jobs import scripted
 from tests.testapp.models import SideEffect
 
@@ -189,8 +190,8 @@ def test_sigkilled_worker_lease_is_recovered_by_jobs_reap(postgres_up, backend, 
 
 @pytest.mark.django_db
 def test_reaped_message_without_backoff_is_ready_not_delayed(backend, raw):
-    """Like nack(delay=0), a lost run whose policy gives no delay goes straight back to waiting
-    (SPEC 6: reap_expired is "same as database"; nack "straight back to waiting")."""
+    """Like nack(delay=0), a lost run whose policy gives no delay goes straight back to waiting,
+    not into the delayed set: the reaper treats it as the database backend's reaper does."""
     k = backend.keys("default")
     for _ in range(20):
         backend.enqueue(scripted.using(max_retries=3, backoff=NO_BACKOFF).builder(action="ok").build())
@@ -210,21 +211,42 @@ def test_reaped_message_without_backoff_is_ready_not_delayed(backend, raw):
 # -- 3. workers survive a Redis restart ------------------------------------------------------------
 
 
+def private_client(server: Any) -> redis.Redis:
+    """A client of a private redis-server that never retries: redis-py 6+ retries a failed command
+    up to 10 times with backoff, which would turn SHUTDOWN's dropped connection into seconds."""
+    return redis.Redis(host=server.host, port=server.port, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0))
+
+
+def fsync_every_write(server: Any) -> None:
+    """``appendfsync always`` (the private server starts with ``everysec``): every write is fsynced
+    before Redis answers, so nothing acknowledged can be lost; a restart resets it."""
+    with private_client(server) as client:
+        client.config_set("appendfsync", "always")
+
+
+def shutdown_nosave(server: Any) -> int:
+    """``SHUTDOWN NOSAVE`` of a private redis-server (no RDB snapshot; the AOF is flushed) and
+    wait for it to exit; returns its exit status."""
+    with private_client(server) as client:
+        client.shutdown(nosave=True)  # redis-py swallows the dropped connection that follows
+    return server.popen.wait(20)
+
+
 @pytest.mark.slow
 @pytest.mark.postgres
 @PROCESS_DB
-def test_workers_survive_a_redis_restart(postgres_up, tmp_path, capsys):
+def test_workers_survive_a_redis_restart(postgres_up, private_redis, capsys):
     """SHUTDOWN NOSAVE under two busy workers, restart from the same AOF ~2 s later: the
     workers keep running, log the connection error, and every job still runs.
 
     A short lease (3 s) lets the workers' own reaping recover a fetch whose reply was lost in
     the outage; max_retries leaves room for such a lost run to be retried rather than failed.
     """
-    require_service("redis-server", redis_server_binary() is not None, "redis-server is not on PATH")
+    server = private_redis
+    fsync_every_write(server)
     total = 200
     prefix = unique("rrestart")
-    with PrivateRedis(free_port(), tmp_path) as server, processes() as procs:
-        server.start()
+    with processes() as procs:
         jobs = {**settings.JOBS, "BACKENDS": {
             **settings.JOBS["BACKENDS"],
             "redis": {"ENGINE": "redis", "OPTIONS": {"URL": server.url, "PREFIX": settings.REDIS_PREFIX}},
@@ -241,20 +263,21 @@ def test_workers_survive_a_redis_restart(postgres_up, tmp_path, capsys):
             ids = Jobs.bulk(builders, backend="redis")
             assert backend.size("default") == total
 
-            env = worker_env(lease_timeout=3, JOBS_TEST_REDIS_URL=server.url)
+            env = server.env(lease_timeout=3)
             workers = [procs.worker("--backend", "redis", env=env, wait_started=False) for _ in range(2)]
             for worker in workers:
                 worker.wait_started()
             wait_until(lambda: runs_with_prefix(prefix).count() >= 20, 30, "the workers to be busy")
 
             outage_start = time.monotonic()
-            assert server.shutdown_nosave() == 0, server.log()
+            assert shutdown_nosave(server) == 0, f"redis-server's logs are in {server.directory}"
             ran_before = runs_with_prefix(prefix).values("key").distinct().count()
             assert ran_before < total, "the queue drained before the restart: nothing was tested"
             time.sleep(2)  # the outage itself (not a wait for anything)
             for worker in workers:
                 assert worker.alive(), f"a worker exited while Redis was down\n{worker.output()}"
             server.start()
+            fsync_every_write(server)
             outage = time.monotonic() - outage_start
             backend.close()  # this process's pool: reconnect to the restarted server
 

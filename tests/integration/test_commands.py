@@ -1,4 +1,4 @@
-"""Maintenance commands (SPEC 11), run in-process with call_command."""
+"""Maintenance commands (jobs_purge, jobs_retry, jobs_stats, jobs_reap), run in-process with call_command."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from django_jobs.models import Job
 from django_jobs.pool import WorkerPool
 from django_jobs.reaper import Reaper
 from django_jobs.worker import QueueWorker
-from tests.api_support import clean_state, drain, runs  # noqa: F401  (clean_state is a fixture)
+from tests.api_support import drain, runs
 from tests.testapp.jobs import scripted
 
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]

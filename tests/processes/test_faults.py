@@ -16,7 +16,7 @@ rest of the suite uses are never touched.
   guards run under the heartbeat), and a handler never starts on a lease that was lost.
 
 Malformed and hostile input (backoff overflow, forged broker messages, long idempotency keys)
-is in tests/test_faults_hostile.py.
+is in tests/integration/test_faults_hostile.py.
 """
 
 from __future__ import annotations

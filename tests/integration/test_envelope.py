@@ -1,4 +1,5 @@
-"""The envelope wire format (SPEC 9: JSON only, size cap before parsing) and its HMAC signature."""
+"""The envelope wire format (JSON only, never pickle; the size cap is checked before parsing) and its
+HMAC signature."""
 
 from __future__ import annotations
 

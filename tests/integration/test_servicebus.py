@@ -1,8 +1,8 @@
 """Service Bus specific behaviour of the servicebus backend, on the in-memory namespace.
 
 The protocol itself (fetch, ack, nack, abandon, extend, fencing, lost leases, FIFO, the worker
-over the backend) is covered by tests/test_conformance.py, case ``servicebus``. This file covers
-what only Service Bus has, with the real backend and the fake SDK clients of
+over the backend) is covered by tests/integration/test_conformance.py, case ``servicebus``. This
+file covers what only Service Bus has, with the real backend and the fake SDK clients of
 tests/fake_servicebus.py:
 
 - the fakes still match the installed SDK (drift guard on every faked signature);

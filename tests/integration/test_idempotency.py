@@ -1,4 +1,4 @@
-"""Idempotency keys (SPEC 8): only a successful run consumes a key; concurrent deliveries of one
+"""Idempotency keys: only a successful run consumes a key; concurrent deliveries of one
 key run the handler at most once."""
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from django_jobs.locks import CacheLock, cache_key
 from django_jobs.worker import QueueWorker
 from tests.api_support import (
     RecordingLocMemCache,
-    backend,  # noqa: F401  (fixture)
-    clean_state,  # noqa: F401  (fixture)
     counter,
     drain,
     jobs_settings,

@@ -1,4 +1,4 @@
-"""Misconfigured settings are refused at run time too (SPEC 2, 9, 11), not only by ``manage.py check``.
+"""Misconfigured settings are refused at run time too, not only by ``manage.py check``.
 
 A str where a list is meant must never be iterated character by character (one-character signing
 keys, queue ``d``, an allowlist turned into a substring test), an empty signing key never
@@ -32,7 +32,7 @@ from django_jobs.handlers import CommandHandler, ShellHandler
 from django_jobs.models import Job
 from django_jobs.pool import WorkerPool
 from django_jobs.worker import QueueWorker
-from tests.api_support import clean_state, jobs_settings, runs  # noqa: F401  (clean_state is a fixture)
+from tests.api_support import jobs_settings, runs
 from tests.procs import REPO_ROOT, processes, worker_env
 from tests.testapp.jobs import scripted
 

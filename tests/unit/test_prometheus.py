@@ -6,9 +6,9 @@ from django.test import override_settings
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
-from django_jobs.contrib.prometheus import PrometheusCollector  # noqa: E402
-from django_jobs.worker import QueueWorker  # noqa: E402
-from tests.testapp.jobs import scripted  # noqa: E402
+from django_jobs.contrib.prometheus import PrometheusCollector
+from django_jobs.worker import QueueWorker
+from tests.testapp.jobs import scripted
 
 
 @pytest.mark.django_db

@@ -1,4 +1,4 @@
-"""Backend conformance: the protocol of SPEC 5-6, run against every backend in BACKEND_PARAMS.
+"""Backend conformance: the worker and backend protocol, run against every backend in BACKEND_PARAMS.
 
 Queue semantics (fetch, leases, ack/nack/abandon/extend, fencing, reaping, priority) apply to
 backends that hold messages; the sync backend runs each job inline at enqueue, so those tests
@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 from datetime import timedelta
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -130,7 +130,7 @@ def reap_now(case: BackendCase, backend: QueueBackend, lease: Lease) -> None:
 
 def test_fetch_returns_the_envelope_as_sent_with_a_valid_signature(queue_backend, backend_case):
     require_queue(queue_backend)
-    # Every SPEC field set to a non-default value, so a field dropped on the wire shows up.
+    # Every envelope field set to a non-default value, so a field dropped on the wire shows up.
     sent = (
         scripted.using(
             queue="emails",

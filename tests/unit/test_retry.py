@@ -1,4 +1,5 @@
-"""RetryPolicy (SPEC 4): every example of the spec, plus property tests over the whole range."""
+"""RetryPolicy: each strategy's rule on worked examples (base 5, multiplier 2: 0, 5, 10, 20, 40 s),
+plus property tests over the whole range."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from django_jobs.retry import (
     trusted_options,
 )
 
-# -- the examples of SPEC 4 --
+# -- each strategy's rule, on worked examples --
 
 
 def test_exponential_base_5_multiplier_2_without_jitter():

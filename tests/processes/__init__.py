@@ -1,0 +1,2 @@
+"""Process-level tests: modules that start ``manage.py`` (``jobs_work``, ``jobs_reap``, ...)
+subprocesses through tests/procs.py, besides in-process tests of the same subject."""
