@@ -126,9 +126,7 @@ def stats() -> dict:
     out["last_finished"] = _iso(last_f)
     out["first_started"] = _iso(first_start)
     out["finished_span_seconds"] = (last_f - first_f).total_seconds() if first_f and last_f else None
-    out["started_to_last_finished_seconds"] = (
-        (last_f - first_start).total_seconds() if first_start and last_f else None
-    )
+    out["started_to_last_finished_seconds"] = (last_f - first_start).total_seconds() if first_start and last_f else None
     return out
 
 

@@ -133,8 +133,11 @@ def run_json(cmd: list[str], env: dict[str, str], what: str, timeout: float = 60
 
 
 def enqueue(env: dict[str, str], system: str, n: int, mode: str) -> dict:
-    out = run_json([sys.executable, "-m", "peers.driver", "enqueue", "--system", system, "--mode", mode, "--n", str(n)],
-                   env, f"enqueue {system} {mode}")
+    out = run_json(
+        [sys.executable, "-m", "peers.driver", "enqueue", "--system", system, "--mode", mode, "--n", str(n)],
+        env,
+        f"enqueue {system} {mode}",
+    )
     if out.get("queued") != n:
         raise BenchError(f"enqueue {system} {mode}: the broker reports {out.get('queued')} queued, expected {n}")
     out["jobs_per_s"] = n / out["seconds"]
@@ -146,16 +149,26 @@ def worker_command(system: str, n: int, args: argparse.Namespace) -> tuple[list[
     py = sys.executable
     url = f"redis://{args.redis_host}:{args.redis_port}/{args.redis_db}"
     if system == "djjobs":
-        return [py, str(HERE / "manage.py"), "jobs_work", "--backend", "redis", "--concurrency", "1",
-                "--max", str(n)], True, None
+        return (
+            [py, str(HERE / "manage.py"), "jobs_work", "--backend", "redis", "--concurrency", "1", "--max", str(n)],
+            True,
+            None,
+        )
     if system == "rq":
-        return [py, "-m", "rq.cli", "worker", "--burst", "-w", "rq.worker.SimpleWorker", "--url", url,
-                "default"], True, None
+        return (
+            [py, "-m", "rq.cli", "worker", "--burst", "-w", "rq.worker.SimpleWorker", "--url", url, "default"],
+            True,
+            None,
+        )
     if system == "rq-fork":
         return [py, "-m", "rq.cli", "worker", "--burst", "--url", url, "default"], True, None
     if system in ("huey", "huey-prio"):
         # SIGINT: graceful (finish the running task); SIGTERM would be immediate.
-        return [py, "-m", "huey.bin.huey_consumer", "peers.huey_app.huey", "-w", "1", "-k", "thread"], False, signal.SIGINT
+        return (
+            [py, "-m", "huey.bin.huey_consumer", "peers.huey_app.huey", "-w", "1", "-k", "thread"],
+            False,
+            signal.SIGINT,
+        )
     if system == "dramatiq":
         return [py, "-m", "dramatiq", "peers.dramatiq_app", "--processes", "1", "--threads", "1"], False, signal.SIGTERM
     if system == "raw":
@@ -171,8 +184,15 @@ def count_lines(path: Path) -> int:
         return 0
 
 
-def drain(env: dict[str, str], system: str, n: int, args: argparse.Namespace, tmpdir: Path, label: str,
-          count_roundtrips: bool = False) -> dict:
+def drain(
+    env: dict[str, str],
+    system: str,
+    n: int,
+    args: argparse.Namespace,
+    tmpdir: Path,
+    label: str,
+    count_roundtrips: bool = False,
+) -> dict:
     """Start one worker process on N queued jobs; the jobs' own timestamps give the rate."""
     ts_file = tmpdir / f"{label}.ts"
     log_file = tmpdir / f"{label}.log"
@@ -186,8 +206,7 @@ def drain(env: dict[str, str], system: str, n: int, args: argparse.Namespace, tm
     with open(log_file, "wb") as log:
         started = time.time()
         # Own session: a stop signal or a kill reaches the worker's own children too (dramatiq forks).
-        proc = subprocess.Popen(argv, env=wenv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log,
-                                start_new_session=True)
+        proc = subprocess.Popen(argv, env=wenv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
         deadline = time.monotonic() + args.timeout
         stopped_by = "exit"
         try:
@@ -226,8 +245,12 @@ def drain(env: dict[str, str], system: str, n: int, args: argparse.Namespace, tm
     rows = [line.split() for line in ts_file.read_text().splitlines() if line.strip()] if ts_file.exists() else []
     stamps = sorted(float(row[0]) for row in rows)
     out: dict = {
-        "argv": argv, "stopped_by": stopped_by, "exit_code": proc.returncode, "completed": len(stamps),
-        "worker_started": started, "worker_ended": ended,
+        "argv": argv,
+        "stopped_by": stopped_by,
+        "exit_code": proc.returncode,
+        "completed": len(stamps),
+        "worker_started": started,
+        "worker_ended": ended,
     }
     if count_roundtrips and len(rows) > 1 and all(len(row) == 4 for row in rows):
         # Running totals of the worker process, written by the jobs: between the first and the
@@ -256,8 +279,9 @@ def drain(env: dict[str, str], system: str, n: int, args: argparse.Namespace, tm
     return out
 
 
-def one_measurement(args: argparse.Namespace, env: dict[str, str], system: str, run_idx: int, tmpdir: Path,
-                    rds: Redis) -> dict:
+def one_measurement(
+    args: argparse.Namespace, env: dict[str, str], system: str, run_idx: int, tmpdir: Path, rds: Redis
+) -> dict:
     n = args.rq_fork_jobs if system == "rq-fork" else args.jobs
     r: dict = {"system": system, "run": run_idx, "n": n, "loadavg_before": list(os.getloadavg())}
     rds.flush()
@@ -296,11 +320,15 @@ def summarise(all_runs: list[dict], systems: list[str]) -> dict:
     for system in systems:
         runs = [r for r in all_runs if r["system"] == system]
         s: dict = {"runs": len(runs), "n": runs[0]["n"] if runs else None}
-        for name, key, field in (("enqueue", "enqueue", "jobs_per_s"), ("bulk", "enqueue_bulk", "jobs_per_s"),
-                                 ("drain", "drain", "jobs_per_s"), ("drain_wall", "drain", "wall_jobs_per_s"),
-                                 ("roundtrips_per_job", "probe", "roundtrips_per_job"),
-                                 ("commands_per_job", "probe", "commands_per_job"),
-                                 ("cpu_us_per_job", "probe", "cpu_us_per_job")):
+        for name, key, field in (
+            ("enqueue", "enqueue", "jobs_per_s"),
+            ("bulk", "enqueue_bulk", "jobs_per_s"),
+            ("drain", "drain", "jobs_per_s"),
+            ("drain_wall", "drain", "wall_jobs_per_s"),
+            ("roundtrips_per_job", "probe", "roundtrips_per_job"),
+            ("commands_per_job", "probe", "commands_per_job"),
+            ("cpu_us_per_job", "probe", "cpu_us_per_job"),
+        ):
             vals = [v for v in (value(r, key, field) for r in runs) if v is not None]
             s[name] = statistics.median(vals) if vals else None
             s[f"{name}_ok"] = len(vals)
@@ -337,9 +365,18 @@ def targets(summary: dict) -> dict:
 
 def render(summary: dict, systems: list[str], args: argparse.Namespace) -> str:
     base = summary.get("djjobs", {})
-    head = ["system", "enqueue/s", "bulk/s", "drain/s", "drain wall/s", "round trips/job", "cmds/job",
-            "worker CPU us/job",
-            "django-jobs/system enqueue", "django-jobs/system drain"]
+    head = [
+        "system",
+        "enqueue/s",
+        "bulk/s",
+        "drain/s",
+        "drain wall/s",
+        "round trips/job",
+        "cmds/job",
+        "worker CPU us/job",
+        "django-jobs/system enqueue",
+        "django-jobs/system drain",
+    ]
     rows = []
     for system in systems:
         s = summary[system]
@@ -350,29 +387,51 @@ def render(summary: dict, systems: list[str], args: argparse.Namespace) -> str:
 
         name = SYSTEMS[system] + (f" [N={s['n']}]" if s["n"] != args.jobs else "")
         bulk = cell("bulk") if system in BULK and system != "rq-fork" else "none"
-        rows.append([name, cell("enqueue"), bulk, cell("drain"), cell("drain_wall"),
-                     fmt(s["roundtrips_per_job"], 2), fmt(s["commands_per_job"], 2), fmt(s["cpu_us_per_job"]),
-                     "" if system == "djjobs" else ratio(base.get("enqueue"), s["enqueue"]),
-                     "" if system == "djjobs" else ratio(base.get("drain"), s["drain"])])
+        rows.append(
+            [
+                name,
+                cell("enqueue"),
+                bulk,
+                cell("drain"),
+                cell("drain_wall"),
+                fmt(s["roundtrips_per_job"], 2),
+                fmt(s["commands_per_job"], 2),
+                fmt(s["cpu_us_per_job"]),
+                "" if system == "djjobs" else ratio(base.get("enqueue"), s["enqueue"]),
+                "" if system == "djjobs" else ratio(base.get("drain"), s["drain"]),
+            ]
+        )
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    lines = [(f"{args.jobs} no-op jobs, one worker process with one slot, median of {args.runs} run(s); "
-              "jobs/s, higher is better")]
+    lines = [
+        (
+            f"{args.jobs} no-op jobs, one worker process with one slot, median of {args.runs} run(s); "
+            "jobs/s, higher is better"
+        )
+    ]
     lines.append(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
     lines.append("-+-".join("-" * w for w in widths))
     for row in rows:
         lines.append(" | ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
     t = targets(summary)
     if "ratio_vs_fastest_peer" in t:
-        lines.append(f"target drain >= {TARGET_PEER_RATIO}x the fastest peer ({SYSTEMS[t['fastest_peer']]}): "
-                     f"{t['ratio_vs_fastest_peer']:.2f}x -> {'met' if t['peer_target_met'] else 'MISSED'}")
+        lines.append(
+            f"target drain >= {TARGET_PEER_RATIO}x the fastest peer ({SYSTEMS[t['fastest_peer']]}): "
+            f"{t['ratio_vs_fastest_peer']:.2f}x -> {'met' if t['peer_target_met'] else 'MISSED'}"
+        )
     if "ratio_vs_raw" in t:
-        lines.append(f"target drain >= {TARGET_RAW_RATIO}x the raw redis-py loop: "
-                     f"{t['ratio_vs_raw']:.2f}x -> {'met' if t['raw_target_met'] else 'MISSED'}")
-    lines.append("drain/s: (N-1) / (last - first job completion), timestamps written by the jobs; "
-                 "drain wall/s: N / (worker start -> last completion).")
-    lines.append("round trips/job, cmds/job, worker CPU us/job: requests sent (a pipeline is one), replies read "
-                 "and CPU time (user + sys, all threads) of the worker process per job, between its first and "
-                 "last job (untimed probe, redis-py instrumented).")
+        lines.append(
+            f"target drain >= {TARGET_RAW_RATIO}x the raw redis-py loop: "
+            f"{t['ratio_vs_raw']:.2f}x -> {'met' if t['raw_target_met'] else 'MISSED'}"
+        )
+    lines.append(
+        "drain/s: (N-1) / (last - first job completion), timestamps written by the jobs; "
+        "drain wall/s: N / (worker start -> last completion)."
+    )
+    lines.append(
+        "round trips/job, cmds/job, worker CPU us/job: requests sent (a pipeline is one), replies read "
+        "and CPU time (user + sys, all threads) of the worker process per job, between its first and "
+        "last job (untimed probe, redis-py instrumented)."
+    )
     lines.append("(k/R): median of the k runs out of R that succeeded.")
     return "\n".join(lines)
 
@@ -387,8 +446,9 @@ def versions(env: dict[str, str]) -> dict:
         "import django_jobs; out['django_jobs_imported_from']=list(django_jobs.__path__)[0]\n"
         "print(json.dumps(out))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=tempfile.gettempdir(), check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tempfile.gettempdir(), check=False
+    )
     try:
         return json.loads(proc.stdout)
     except json.JSONDecodeError:
@@ -400,17 +460,30 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=5000, help="jobs per measurement (default 5000)")
     parser.add_argument("--runs", type=int, default=3, help="runs per system; medians reported (default 3)")
     parser.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, from {','.join(SYSTEMS)}")
-    parser.add_argument("--rq-fork-jobs", type=int, default=1000,
-                        help="jobs for RQ's forking worker, which forks once per job (default 1000)")
+    parser.add_argument(
+        "--rq-fork-jobs",
+        type=int,
+        default=1000,
+        help="jobs for RQ's forking worker, which forks once per job (default 1000)",
+    )
     parser.add_argument("--redis-host", default=os.environ.get("BENCH_REDIS_HOST", "127.0.0.1"))
     parser.add_argument("--redis-port", type=int, default=int(os.environ.get("BENCH_REDIS_PORT", "6379")))
-    parser.add_argument("--redis-db", type=int, default=int(os.environ.get("BENCH_REDIS_DB", "12")),
-                        help="dedicated database number, flushed between runs (default 12)")
-    parser.add_argument("--force-flush", action="store_true",
-                        help="flush --redis-db even if it holds keys that are not the benchmark's")
+    parser.add_argument(
+        "--redis-db",
+        type=int,
+        default=int(os.environ.get("BENCH_REDIS_DB", "12")),
+        help="dedicated database number, flushed between runs (default 12)",
+    )
+    parser.add_argument(
+        "--force-flush", action="store_true", help="flush --redis-db even if it holds keys that are not the benchmark's"
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds a worker may take to drain")
-    parser.add_argument("--probe-jobs", type=int, default=500,
-                        help="jobs for the untimed round-trips-per-job probe, first run only (0: off)")
+    parser.add_argument(
+        "--probe-jobs",
+        type=int,
+        default=500,
+        help="jobs for the untimed round-trips-per-job probe, first run only (0: off)",
+    )
     parser.add_argument("--ref", help="benchmark django_jobs as committed at this git ref (e.g. HEAD)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, timestamps)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON results")
@@ -421,8 +494,11 @@ def main() -> int:
         parser.error(f"unknown --systems {bad}; choose from {list(SYSTEMS)}")
     rds = Redis(args.redis_host, args.redis_port, args.redis_db)
     if (foreign := rds.foreign_keys()) and not args.force_flush:
-        print(f"Redis db {args.redis_db} holds keys that are not the benchmark's ({', '.join(foreign)}, ...): "
-              "pick another --redis-db or pass --force-flush", file=sys.stderr)
+        print(
+            f"Redis db {args.redis_db} holds keys that are not the benchmark's ({', '.join(foreign)}, ...): "
+            "pick another --redis-db or pass --force-flush",
+            file=sys.stderr,
+        )
         return 2
 
     tmpdir = Path(tempfile.mkdtemp(prefix="django-jobs-redis-bench-"))
@@ -430,22 +506,40 @@ def main() -> int:
     env = subprocess_env(args, first_on_path, tmpdir / "audit.sqlite3")
     started = dt.datetime.now(dt.UTC)
     meta = {
-        "started": started.isoformat(), "argv": sys.argv, "jobs": args.jobs, "runs": args.runs,
-        "rq_fork_jobs": args.rq_fork_jobs, "systems": systems, "python_executable": sys.executable,
-        "versions": versions(env), "redis_server": rds.version(), "redis_db": args.redis_db,
-        "django_jobs": source, "platform": platform.platform(), "cpus": os.cpu_count(), "tmpdir": str(tmpdir),
+        "started": started.isoformat(),
+        "argv": sys.argv,
+        "jobs": args.jobs,
+        "runs": args.runs,
+        "rq_fork_jobs": args.rq_fork_jobs,
+        "systems": systems,
+        "python_executable": sys.executable,
+        "versions": versions(env),
+        "redis_server": rds.version(),
+        "redis_db": args.redis_db,
+        "django_jobs": source,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "tmpdir": str(tmpdir),
     }
-    print(f"django-jobs redis bench: {args.jobs} jobs x {args.runs} runs, Redis {meta['redis_server']} "
-          f"db {args.redis_db} ({sys.executable}; django_jobs from "
-          f"{meta['versions'].get('django_jobs_imported_from')} [{source['source']} "
-          f"{source.get('commit') or source.get('head') or ''}]; tmp {tmpdir})", flush=True)
+    print(
+        f"django-jobs redis bench: {args.jobs} jobs x {args.runs} runs, Redis {meta['redis_server']} "
+        f"db {args.redis_db} ({sys.executable}; django_jobs from "
+        f"{meta['versions'].get('django_jobs_imported_from')} [{source['source']} "
+        f"{source.get('commit') or source.get('head') or ''}]; tmp {tmpdir})",
+        flush=True,
+    )
     if source.get("uncommitted_changes_in_django_jobs"):
         print("  note: django_jobs/ has uncommitted changes; --ref HEAD benchmarks the committed code", flush=True)
 
     all_runs: list[dict] = []
     try:
-        subprocess.run([sys.executable, str(HERE / "manage.py"), "migrate", "-v0"], env=env, cwd=REPO,
-                       check=True, capture_output=True)  # the audit table (written only on failures)
+        subprocess.run(
+            [sys.executable, str(HERE / "manage.py"), "migrate", "-v0"],
+            env=env,
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )  # the audit table (written only on failures)
         for run_idx in range(args.runs):
             shift = run_idx % len(systems)
             order = systems[shift:] + systems[:shift]  # rotate who goes first
@@ -454,11 +548,14 @@ def main() -> int:
                 r = one_measurement(args, env, system, run_idx, tmpdir, rds)
                 all_runs.append(r)
                 bits = []
-                for key, field, label in (("enqueue", "jobs_per_s", "enqueue"), ("enqueue_bulk", "jobs_per_s", "bulk"),
-                                          ("drain", "jobs_per_s", "drain"),
-                                          ("probe", "roundtrips_per_job", "rt/job"),
-                                          ("probe", "commands_per_job", "cmds/job"),
-                                          ("probe", "cpu_us_per_job", "cpu_us/job")):
+                for key, field, label in (
+                    ("enqueue", "jobs_per_s", "enqueue"),
+                    ("enqueue_bulk", "jobs_per_s", "bulk"),
+                    ("drain", "jobs_per_s", "drain"),
+                    ("probe", "roundtrips_per_job", "rt/job"),
+                    ("probe", "commands_per_job", "cmds/job"),
+                    ("probe", "cpu_us_per_job", "cpu_us/job"),
+                ):
                     part = r.get(key)
                     if isinstance(part, dict):
                         if "error" in part:
@@ -467,8 +564,11 @@ def main() -> int:
                             per_job = label.endswith("/job")
                             digits = 2 if per_job and "cpu" not in label else 0
                             bits.append(f"{label}={part[field]:,.{digits}f}" + ("" if per_job else "/s"))
-                print(f"  [run {run_idx + 1}/{args.runs}] {SYSTEMS[system]:<24} {' '.join(bits)}"
-                      f"  ({time.perf_counter() - t:.1f}s, load {r['loadavg_before'][0]:.2f})", flush=True)
+                print(
+                    f"  [run {run_idx + 1}/{args.runs}] {SYSTEMS[system]:<24} {' '.join(bits)}"
+                    f"  ({time.perf_counter() - t:.1f}s, load {r['loadavg_before'][0]:.2f})",
+                    flush=True,
+                )
                 for key in ("error",):
                     if key in r:
                         print("    " + r[key].replace("\n", "\n    ")[:3000], flush=True)
@@ -488,11 +588,20 @@ def main() -> int:
     meta["finished"] = dt.datetime.now(dt.UTC).isoformat()
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"redis-peers-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
-    out.write_text(json.dumps({"meta": meta, "summary": summary, "targets": targets(summary), "table": table,
-                               "runs": all_runs}, indent=2, default=str))
+    out.write_text(
+        json.dumps(
+            {"meta": meta, "summary": summary, "targets": targets(summary), "table": table, "runs": all_runs},
+            indent=2,
+            default=str,
+        )
+    )
     print(f"\nresults: {out}")
-    failed = [r for r in all_runs if "error" in r or any(
-        isinstance(r.get(k), dict) and "error" in r[k] for k in ("enqueue", "enqueue_bulk", "drain"))]
+    failed = [
+        r
+        for r in all_runs
+        if "error" in r
+        or any(isinstance(r.get(k), dict) and "error" in r[k] for k in ("enqueue", "enqueue_bulk", "drain"))
+    ]
     return 1 if failed else 0
 
 

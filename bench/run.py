@@ -107,7 +107,12 @@ def driver(env: dict[str, str], *argv: str) -> dict:
 def manage(env: dict[str, str], *argv: str, timeout: float = 900) -> None:
     proc = subprocess.run(
         [sys.executable, str(HERE / "manage.py"), *argv],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     if proc.returncode != 0:
         raise BenchError(f"manage.py {' '.join(argv)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -127,8 +132,13 @@ class Postgres:
         import psycopg  # the harness needs it only to create/drop databases
 
         self.psycopg = psycopg
-        self.params = {"host": args.pg_host, "port": args.pg_port, "user": args.pg_user,
-                       "dbname": args.pg_maintenance_db, "autocommit": True}
+        self.params = {
+            "host": args.pg_host,
+            "port": args.pg_port,
+            "user": args.pg_user,
+            "dbname": args.pg_maintenance_db,
+            "autocommit": True,
+        }
         self.conn = psycopg.connect(**self.params)
         self.prefix = args.pg_prefix
         self.created: set[str] = set()
@@ -178,13 +188,22 @@ class Postgres:
 # --- one measurement -------------------------------------------------------------
 
 
-def drain(env: dict[str, str], system: str, n: int, timeout: float, log_path: Path, pg: Postgres | None,
-          dbname: str | None) -> dict:
+def drain(
+    env: dict[str, str], system: str, n: int, timeout: float, log_path: Path, pg: Postgres | None, dbname: str | None
+) -> dict:
     if system == "jobs":
         cmd = [sys.executable, str(HERE / "manage.py"), "jobs_work", "--concurrency", "1", "--max", str(n)]
     else:
-        cmd = [sys.executable, str(HERE / "manage.py"), "db_worker", "--batch", "--no-startup-delay",
-               "--no-reload", "--max-tasks", str(n)]
+        cmd = [
+            sys.executable,
+            str(HERE / "manage.py"),
+            "db_worker",
+            "--batch",
+            "--no-startup-delay",
+            "--no-reload",
+            "--max-tasks",
+            str(n),
+        ]
     before = pg.xact_stats(dbname) if pg and dbname else None
     with open(log_path, "w") as log:
         t0 = time.perf_counter()
@@ -228,8 +247,9 @@ def drain(env: dict[str, str], system: str, n: int, timeout: float, log_path: Pa
     return out
 
 
-def one_run(args, env0, engine: str, cma: str, system: str, run_idx: int, tmpdir: Path, pg: Postgres | None,
-            probe: bool) -> dict:
+def one_run(
+    args, env0, engine: str, cma: str, system: str, run_idx: int, tmpdir: Path, pg: Postgres | None, probe: bool
+) -> dict:
     n = args.jobs
     env = dict(env0, BENCH_SYSTEM=system, BENCH_DB=engine, BENCH_CONN_MAX_AGE=cma)
     dbname = None
@@ -242,8 +262,13 @@ def one_run(args, env0, engine: str, cma: str, system: str, run_idx: int, tmpdir
             Path(str(path) + suffix).unlink(missing_ok=True)
         env["BENCH_SQLITE_PATH"] = str(path)
 
-    result: dict = {"engine": engine, "conn_max_age": cma, "system": system, "run": run_idx,
-                    "loadavg_before": os.getloadavg()}
+    result: dict = {
+        "engine": engine,
+        "conn_max_age": cma,
+        "system": system,
+        "run": run_idx,
+        "loadavg_before": os.getloadavg(),
+    }
     t = time.perf_counter()
     manage(env, "migrate", "--noinput", "-v", "0")
     result["migrate_seconds"] = time.perf_counter() - t
@@ -302,8 +327,13 @@ METRICS = [
 
 def count_of(runs: list[dict], path: tuple[str, str]) -> int:
     """How many runs produced this figure without error."""
-    return sum(1 for r in runs if isinstance(r.get(path[0]), dict) and "error" not in r[path[0]]
-               and isinstance(r[path[0]].get(path[1]), (int, float)))
+    return sum(
+        1
+        for r in runs
+        if isinstance(r.get(path[0]), dict)
+        and "error" not in r[path[0]]
+        and isinstance(r[path[0]].get(path[1]), (int, float))
+    )
 
 
 def median_of(runs: list[dict], path: tuple[str, str]) -> float | None:
@@ -326,19 +356,22 @@ def summarise(all_runs: list[dict], variants: list[tuple[str, str]], systems: li
     summary: dict = {}
     for engine, cma in variants:
         for system in systems:
-            runs = [r for r in all_runs
-                    if r["engine"] == engine and r.get("conn_max_age") == cma and r["system"] == system]
+            runs = [
+                r for r in all_runs if r["engine"] == engine and r.get("conn_max_age") == cma and r["system"] == system
+            ]
             s = {key: median_of(runs, path) for key, path, _ in METRICS}
             s["counts"] = {key: count_of(runs, path) for key, path, _ in METRICS}
             s["runs"] = len(runs)
-            s["runs_drained_ok"] = sum(1 for r in runs if isinstance(r.get("drain"), dict)
-                                       and "error" not in r["drain"])
+            s["runs_drained_ok"] = sum(
+                1 for r in runs if isinstance(r.get("drain"), dict) and "error" not in r["drain"]
+            )
             probes = [r["probe"] for r in runs if isinstance(r.get("probe"), dict) and "error" not in r["probe"]]
             if probes:
                 s["dispatch_queries_per_job"] = probes[0]["dispatch_queries_per_job"]
                 s["drain_queries_per_job"] = probes[0]["drain_queries_per_job"]
-            deltas = [r["drain"]["pg_delta"] for r in runs
-                      if isinstance(r.get("drain"), dict) and r["drain"].get("pg_delta")]
+            deltas = [
+                r["drain"]["pg_delta"] for r in runs if isinstance(r.get("drain"), dict) and r["drain"].get("pg_delta")
+            ]
             n = runs[0].get("n") if runs else None
             if deltas and n:
                 s["drain_pg_transactions_per_job"] = statistics.median(d["transactions"] for d in deltas) / n
@@ -375,29 +408,55 @@ def render(summary: dict, variants: list[tuple[str, str]], systems: list[str], n
             q = "n/a"
             if s.get("dispatch_queries_per_job") is not None:
                 q = f"{s['dispatch_queries_per_job']:.1f} / " + (
-                    f"{s['drain_queries_per_job']:.1f}" if s.get("drain_queries_per_job") else "n/a")
+                    f"{s['drain_queries_per_job']:.1f}" if s.get("drain_queries_per_job") else "n/a"
+                )
             bulk = cell(s, "dispatch_bulk") if system == "jobs" else "none"
             txn = fmt(s.get("drain_pg_transactions_per_job"), 1) if engine == "postgres" else ""
-            rows.append([label, SYSTEMS[system], cell(s, "dispatch"), cell(s, "dispatch_atomic"), bulk,
-                         cell(s, "drain"), cell(s, "drain_wall"), q, txn])
+            rows.append(
+                [
+                    label,
+                    SYSTEMS[system],
+                    cell(s, "dispatch"),
+                    cell(s, "dispatch_atomic"),
+                    bulk,
+                    cell(s, "drain"),
+                    cell(s, "drain_wall"),
+                    q,
+                    txn,
+                ]
+            )
         if "jobs" in systems and "tasksdb" in systems:
             a, b = summary[f"{engine}/{cma}/jobs"], summary[f"{engine}/{cma}/tasksdb"]
-            rows.append([label, "ratio jobs / tasks-db", ratio(a["dispatch"], b["dispatch"]),
-                         ratio(a["dispatch_atomic"], b["dispatch_atomic"]),
-                         ratio(a["dispatch_bulk"], b["dispatch"]),
-                         ratio(a["drain"], b["drain"]), ratio(a["drain_wall"], b["drain_wall"]), "", ""])
+            rows.append(
+                [
+                    label,
+                    "ratio jobs / tasks-db",
+                    ratio(a["dispatch"], b["dispatch"]),
+                    ratio(a["dispatch_atomic"], b["dispatch_atomic"]),
+                    ratio(a["dispatch_bulk"], b["dispatch"]),
+                    ratio(a["drain"], b["drain"]),
+                    ratio(a["drain_wall"], b["drain_wall"]),
+                    "",
+                    "",
+                ]
+            )
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    lines = [f"{n} no-op jobs, median of {runs} run(s); jobs/s, higher is better"
-             + ("" if many else f"; CONN_MAX_AGE={variants[0][1]}")]
+    lines = [
+        f"{n} no-op jobs, median of {runs} run(s); jobs/s, higher is better"
+        + ("" if many else f"; CONN_MAX_AGE={variants[0][1]}")
+    ]
     lines.append(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
     lines.append("-+-".join("-" * w for w in widths))
     for row in rows:
-        lines.append(" | ".join(str(c).rjust(w) if i >= 2 else str(c).ljust(w)
-                                for i, (c, w) in enumerate(zip(row, widths))))
+        lines.append(
+            " | ".join(str(c).rjust(w) if i >= 2 else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        )
     lines.append("(k/R): median of the k runs out of R that succeeded; the others failed (see above and the JSON).")
     lines.append("bulk ratio: django-jobs Jobs.bulk vs django-tasks-db per-job enqueue (it has no bulk API).")
-    lines.append("drain/s: (N-1) / (last finished_at - first finished_at) from the rows; "
-                 "drain wall/s: N / worker process lifetime (start-up included).")
+    lines.append(
+        "drain/s: (N-1) / (last finished_at - first finished_at) from the rows; "
+        "drain wall/s: N / worker process lifetime (start-up included)."
+    )
     return "\n".join(lines)
 
 
@@ -411,8 +470,9 @@ def versions(env: dict[str, str]) -> dict:
         "import django_jobs; out['django_jobs_imported_from']=list(django_jobs.__path__)[0]\n"
         "print(json.dumps(out))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=tempfile.gettempdir(), check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tempfile.gettempdir(), check=False
+    )
     try:
         return json.loads(proc.stdout)
     except json.JSONDecodeError:
@@ -425,19 +485,28 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs per system and database; median reported")
     parser.add_argument("--db", default="postgres,sqlite", help="comma-separated: postgres,sqlite")
     parser.add_argument("--systems", default="jobs,tasksdb", help="comma-separated: jobs,tasksdb")
-    parser.add_argument("--conn-max-age", default="0",
-                        help="Django CONN_MAX_AGE for both systems, comma-separated to run several: "
-                             "0 (Django's default) and/or none (persistent); default 0")
+    parser.add_argument(
+        "--conn-max-age",
+        default="0",
+        help="Django CONN_MAX_AGE for both systems, comma-separated to run several: "
+        "0 (Django's default) and/or none (persistent); default 0",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds a worker may take to drain")
     parser.add_argument("--probe-jobs", type=int, default=50, help="jobs for the queries-per-job probe (0: off)")
     parser.add_argument("--pg-host", default=os.environ.get("BENCH_PG_HOST", "127.0.0.1"))
     parser.add_argument("--pg-port", type=int, default=int(os.environ.get("BENCH_PG_PORT", "5432")))
     parser.add_argument("--pg-user", default=os.environ.get("BENCH_PG_USER", "postgres"))
-    parser.add_argument("--pg-maintenance-db", default="postgres",
-                        help="database to connect to for CREATE/DROP DATABASE (default postgres)")
+    parser.add_argument(
+        "--pg-maintenance-db",
+        default="postgres",
+        help="database to connect to for CREATE/DROP DATABASE (default postgres)",
+    )
     parser.add_argument("--pg-prefix", default="bench", help="prefix of the databases created (bench_jobs, ...)")
-    parser.add_argument("--ref", help="benchmark django_jobs as committed at this git ref (e.g. HEAD), exported "
-                                      "to the temp dir, instead of the working tree (which may be mid-edit)")
+    parser.add_argument(
+        "--ref",
+        help="benchmark django_jobs as committed at this git ref (e.g. HEAD), exported "
+        "to the temp dir, instead of the working tree (which may be mid-edit)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the databases and temp dir afterwards")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON results")
     args = parser.parse_args()
@@ -476,9 +545,12 @@ def main() -> int:
         "postgres": pg.version() if pg else None,
         "tmpdir": str(tmpdir),
     }
-    print(f"django-jobs bench: {args.jobs} jobs x {args.runs} runs on {', '.join(engines)} "
-          f"({sys.executable}; django_jobs from {meta['versions'].get('django_jobs_imported_from')} "
-          f"[{source['source']} {source.get('commit') or source.get('head') or ''}]; tmp {tmpdir})", flush=True)
+    print(
+        f"django-jobs bench: {args.jobs} jobs x {args.runs} runs on {', '.join(engines)} "
+        f"({sys.executable}; django_jobs from {meta['versions'].get('django_jobs_imported_from')} "
+        f"[{source['source']} {source.get('commit') or source.get('head') or ''}]; tmp {tmpdir})",
+        flush=True,
+    )
     if source.get("uncommitted_changes_in_django_jobs"):
         print("  note: django_jobs/ has uncommitted changes; --ref HEAD benchmarks the committed code", flush=True)
 
@@ -492,8 +564,9 @@ def main() -> int:
         table = render(summary, variants, systems, args.jobs, args.runs)
         meta["complete"] = complete
         meta["finished"] = dt.datetime.now(dt.UTC).isoformat()
-        out.write_text(json.dumps({"meta": meta, "summary": summary, "table": table, "runs": all_runs},
-                                  indent=2, default=str))
+        out.write_text(
+            json.dumps({"meta": meta, "summary": summary, "table": table, "runs": all_runs}, indent=2, default=str)
+        )
         return table
 
     complete = False
@@ -505,11 +578,25 @@ def main() -> int:
                 for system in order:
                     t = time.perf_counter()
                     try:
-                        r = one_run(args, env0, engine, cma, system, run_idx, tmpdir, pg,
-                                    probe=run_idx == 0 and args.probe_jobs > 0)
+                        r = one_run(
+                            args,
+                            env0,
+                            engine,
+                            cma,
+                            system,
+                            run_idx,
+                            tmpdir,
+                            pg,
+                            probe=run_idx == 0 and args.probe_jobs > 0,
+                        )
                     except Exception as exc:  # noqa: BLE001 - recorded in the results; the next run goes on
-                        r = {"engine": engine, "conn_max_age": cma, "system": system, "run": run_idx,
-                             "error": f"{type(exc).__name__}: {exc}"}
+                        r = {
+                            "engine": engine,
+                            "conn_max_age": cma,
+                            "system": system,
+                            "run": run_idx,
+                            "error": f"{type(exc).__name__}: {exc}",
+                        }
                     r["n"] = args.jobs
                     all_runs.append(r)
                     bits = []
@@ -523,8 +610,11 @@ def main() -> int:
                     if "error" in r:
                         bits.append("ERROR")
                     load = r.get("loadavg_before", (float("nan"),))[0]
-                    print(f"  [{label} run {run_idx + 1}/{args.runs}] {SYSTEMS[system]:<15} "
-                          f"{' '.join(bits)}  ({time.perf_counter() - t:.1f}s, load {load:.1f})", flush=True)
+                    print(
+                        f"  [{label} run {run_idx + 1}/{args.runs}] {SYSTEMS[system]:<15} "
+                        f"{' '.join(bits)}  ({time.perf_counter() - t:.1f}s, load {load:.1f})",
+                        flush=True,
+                    )
                     for key in ("error",):
                         if key in r:
                             print("    " + r[key].replace("\n", "\n    "), flush=True)
@@ -550,8 +640,12 @@ def main() -> int:
             print("INTERRUPTED: figures below cover the runs that finished")
         print(table)
         print(f"\nresults: {out}")
-    failed = [r for r in all_runs if "error" in r or any(
-        isinstance(r.get(k), dict) and "error" in r[k] for k in ("dispatch", "dispatch_bulk", "drain"))]
+    failed = [
+        r
+        for r in all_runs
+        if "error" in r
+        or any(isinstance(r.get(k), dict) and "error" in r[k] for k in ("dispatch", "dispatch_bulk", "drain"))
+    ]
     return 1 if failed else 0
 
 

@@ -36,6 +36,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 # -- settings --------------------------------------------------------------------------------
 
+
 @contextmanager
 def jobs_settings(**changes: Any) -> Iterator[None]:
     """``override_settings(JOBS=...)`` on top of the test settings (the override replaces the
@@ -45,6 +46,7 @@ def jobs_settings(**changes: Any) -> Iterator[None]:
 
 
 # -- small accessors ---------------------------------------------------------------------------
+
 
 def alias(backend: str) -> str:
     """The database alias a database backend stores its rows in."""
@@ -89,6 +91,7 @@ def clean_state() -> Iterator[None]:
 
 # -- handlers used by the tests ----------------------------------------------------------------
 
+
 class GiveUpHandler:
     """A class handler (``JOBS["HANDLERS"]``) that always fails and lets ``can_retry`` decide.
 
@@ -110,8 +113,9 @@ reentrant_results: list[WorkerResult] = []
 
 
 @job(queue="other")
-def reentrant(key: str, db: str = "default", backend: str = "default", busy_delay: float = 0.0,
-              fail: bool = False) -> None:
+def reentrant(
+    key: str, db: str = "default", backend: str = "default", busy_delay: float = 0.0, fail: bool = False
+) -> None:
     """While this job runs, a second worker processes the next delivery on its queue.
 
     That is a real "another delivery is still running" situation, in one thread: whatever the

@@ -86,7 +86,10 @@ BACKEND_PARAMS = [
     ),
     pytest.param(
         BackendCase(
-            "maria", fixtures=("mariadb_up",), expire=_db_expire, record=_db_record,
+            "maria",
+            fixtures=("mariadb_up",),
+            expire=_db_expire,
+            record=_db_record,
             config={"ENGINE": "database", "OPTIONS": {"DATABASE": "mariadb"}},
         ),
         id="database-mariadb",

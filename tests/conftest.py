@@ -61,8 +61,9 @@ def mariadb_reachable() -> tuple[bool, str]:
     except ImportError:
         return False, "mysqlclient is not installed (scripts/bootstrap installs it with libmariadb-dev)"
     try:
-        MySQLdb.connect(host=db["HOST"], port=int(db["PORT"]), user=db["USER"], passwd=db["PASSWORD"],
-                        connect_timeout=3).close()
+        MySQLdb.connect(
+            host=db["HOST"], port=int(db["PORT"]), user=db["USER"], passwd=db["PASSWORD"], connect_timeout=3
+        ).close()
         return True, ""
     except Exception as exc:  # noqa: BLE001
         return False, str(exc)

@@ -38,15 +38,19 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
 ]
-TEMPLATES = [{
-    "BACKEND": "django.template.backends.django.DjangoTemplates",
-    "APP_DIRS": True,
-    "OPTIONS": {"context_processors": [
-        "django.template.context_processors.request",
-        "django.contrib.auth.context_processors.auth",
-        "django.contrib.messages.context_processors.messages",
-    ]},
-}]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
 
 DATABASES = {
     "default": {
@@ -100,13 +104,19 @@ JOBS = {
         "pg": {"ENGINE": "database", "OPTIONS": {"DATABASE": "postgres"}},
         "sync": {"ENGINE": "sync"},
         "redis": {"ENGINE": "redis", "OPTIONS": {"URL": REDIS_URL, "PREFIX": REDIS_PREFIX}},
-        "beanstalk": {"ENGINE": "beanstalk", "OPTIONS": {
-            "HOST": BEANSTALK_HOST, "PORT": int(BEANSTALK_PORT), "PREFIX": BEANSTALK_PREFIX}},
+        "beanstalk": {
+            "ENGINE": "beanstalk",
+            "OPTIONS": {"HOST": BEANSTALK_HOST, "PORT": int(BEANSTALK_PORT), "PREFIX": BEANSTALK_PREFIX},
+        },
         # Azure Service Bus: tests swap the SDK's clients for an in-memory namespace
         # (tests/fake_servicebus.py); this connection string is never dialled.
-        "servicebus": {"ENGINE": "servicebus", "OPTIONS": {
-            "CONNECTION_STRING": "Endpoint=sb://django-jobs-tests.invalid/;SharedAccessKeyName=tests;SharedAccessKey=dGVzdHM=",
-            "RECEIVE_WAIT": 0.05}},
+        "servicebus": {
+            "ENGINE": "servicebus",
+            "OPTIONS": {
+                "CONNECTION_STRING": "Endpoint=sb://django-jobs-tests.invalid/;SharedAccessKeyName=tests;SharedAccessKey=dGVzdHM=",
+                "RECEIVE_WAIT": 0.05,
+            },
+        },
     },
     "QUEUES": ["default", "other", "emails"],
     "POLL_INTERVAL": 0.05,
@@ -115,9 +125,11 @@ JOBS = {
 }
 if os.environ.get("JOBS_TEST_IDEMPOTENCY_REDIS"):
     # Fault tests: idempotency keys in a Redis of the test's own, which it can freeze.
-    CACHES["idem"] = {"BACKEND": "django.core.cache.backends.redis.RedisCache",
-                      "LOCATION": os.environ["JOBS_TEST_IDEMPOTENCY_REDIS"],
-                      "OPTIONS": {"socket_timeout": 60}}  # a freeze, not a failure
+    CACHES["idem"] = {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": os.environ["JOBS_TEST_IDEMPOTENCY_REDIS"],
+        "OPTIONS": {"socket_timeout": 60},
+    }  # a freeze, not a failure
     JOBS["IDEMPOTENCY_CACHE"] = "idem"
 if os.environ.get("JOBS_TEST_LEASE_TIMEOUT"):
     JOBS["LEASE_TIMEOUT"] = float(os.environ["JOBS_TEST_LEASE_TIMEOUT"])

@@ -47,8 +47,10 @@ def main() -> None:
     t0, c0 = time.perf_counter(), time.process_time()
     done = worker.run(max_jobs=args.n)
     plain, cpu = time.perf_counter() - t0, time.process_time() - c0
-    print(f"plain: {done} jobs, {plain / done * 1e6:.0f} us/job wall ({done / plain:,.0f} jobs/s), "
-          f"{cpu / done * 1e6:.0f} us/job CPU in this process, load {os.getloadavg()[0]:.2f}")
+    print(
+        f"plain: {done} jobs, {plain / done * 1e6:.0f} us/job wall ({done / plain:,.0f} jobs/s), "
+        f"{cpu / done * 1e6:.0f} us/job CPU in this process, load {os.getloadavg()[0]:.2f}"
+    )
 
     fill(args.n)
     worker = QueueWorker("redis")

@@ -36,20 +36,24 @@ from tests.testapp.jobs import scripted
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
 
 
-
 def other_alias(backend: str) -> str:
     return "postgres" if alias(backend) == "default" else "default"
 
 
 # -- Jobs.define(...) ----------------------------------------------------------------------------
 
+
 def test_define_chain_sets_every_field_of_the_row(backend):
     before = timezone.now()
     job_id = (
         Jobs.define("command", "clearsessions")
-        .queue("emails").max_retries(5).priority(10)
-        .timeout(120).delay(30)
-        .idempotency_key("close-month-2026-06").named("close month")
+        .queue("emails")
+        .max_retries(5)
+        .priority(10)
+        .timeout(120)
+        .delay(30)
+        .idempotency_key("close-month-2026-06")
+        .named("close month")
         .dispatch(backend=backend)
     )
     after = timezone.now()
@@ -57,9 +61,16 @@ def test_define_chain_sets_every_field_of_the_row(backend):
     assert isinstance(job_id, str) and job_id
     job = row(backend, job_id)
     assert job.pk == job_id
-    assert (job.queue, job.handler, job.payload, job.max_retries, job.priority, job.timeout,
-            job.idempotency_key, job.name) == (
-        "emails", "command", "clearsessions", 5, 10, 120, "close-month-2026-06", "close month")
+    assert (
+        job.queue,
+        job.handler,
+        job.payload,
+        job.max_retries,
+        job.priority,
+        job.timeout,
+        job.idempotency_key,
+        job.name,
+    ) == ("emails", "command", "clearsessions", 5, 10, 120, "close-month-2026-06", "close month")
     assert (job.status, job.attempts, job.backend) == ("pending", 0, backend)
     assert job.signature  # signed at dispatch
     # delay(30) is measured from dispatch.
@@ -75,8 +86,7 @@ def test_scheduled_at_sets_available_at(backend):
     assert row(backend, job_id).available_at == when
     # Defaults of a bare define: the first queue, priority 0, no retries, no timeout, no key.
     job = row(backend, job_id)
-    assert (job.queue, job.priority, job.max_retries, job.timeout, job.idempotency_key) == (
-        "default", 0, 0, None, None)
+    assert (job.queue, job.priority, job.max_retries, job.timeout, job.idempotency_key) == ("default", 0, 0, None, None)
 
 
 def test_scheduled_at_refuses_a_naive_datetime():
@@ -100,6 +110,7 @@ def test_unknown_queue_raises_and_inserts_nothing():
 
 # -- @job ------------------------------------------------------------------------------------------
 
+
 def test_bare_job_registers_and_dispatches_with_the_args_kwargs_payload():
     job_id = bare_job.dispatch(21, label="x")
     job = Job.objects.get(pk=job_id)
@@ -114,20 +125,31 @@ def test_bare_job_registers_and_dispatches_with_the_args_kwargs_payload():
 def test_job_with_options_applies_them_to_every_dispatch():
     job_id = configured_job.dispatch(7)
     job = Job.objects.get(pk=job_id)
-    assert (job.queue, job.max_retries, job.priority, job.timeout, job.name) == (
-        "emails", 3, 4, 30, "welcome mail")
+    assert (job.queue, job.max_retries, job.priority, job.timeout, job.name) == ("emails", 3, 4, 30, "welcome mail")
     assert job.payload == {"args": [7], "kwargs": {}}
 
 
 def test_using_overrides_the_decorator_options(backend):
     before = timezone.now()
     job_id = configured_job.using(
-        queue="other", priority=5, delay=10, max_retries=1, timeout=2.5,
-        idempotency_key="k-1", name="renamed", backend=backend,
+        queue="other",
+        priority=5,
+        delay=10,
+        max_retries=1,
+        timeout=2.5,
+        idempotency_key="k-1",
+        name="renamed",
+        backend=backend,
     ).dispatch(user_id=7)
     job = row(backend, job_id)
     assert (job.queue, job.priority, job.max_retries, job.timeout, job.idempotency_key, job.name) == (
-        "other", 5, 1, 2.5, "k-1", "renamed")
+        "other",
+        5,
+        1,
+        2.5,
+        "k-1",
+        "renamed",
+    )
     assert job.available_at >= before + timedelta(seconds=10)
     assert job.payload == {"args": [], "kwargs": {"user_id": 7}}
     # using() is per dispatch: the next plain dispatch has the decorator's options again.
@@ -179,6 +201,7 @@ def test_scripted_payload_round_trips_through_the_worker(backend):
 
 # -- Jobs.bulk ---------------------------------------------------------------------------------------
 
+
 # SQLite on Django 5.2 allows 999 query parameters, so Django itself splits a bulk_create of more
 # than ~47 Job rows; PostgreSQL has no such limit.
 @pytest.mark.parametrize("backend, count", [("default", 40), ("pg", 300)])
@@ -207,6 +230,7 @@ def test_bulk_of_nothing_inserts_nothing():
 
 # -- defaults from settings ------------------------------------------------------------------------
 
+
 def test_default_max_retries_and_default_timeout_apply_when_a_job_sets_none():
     with jobs_settings(DEFAULT_MAX_RETRIES=2, DEFAULT_TIMEOUT=12):
         defaulted = Job.objects.get(pk=Jobs.define("command", "clearsessions").dispatch())
@@ -231,6 +255,7 @@ def test_default_timeout_limits_an_attempt():
 
 
 # -- transactions -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("backend, db", [("default", "default"), ("pg", "postgres")])
 def test_database_dispatch_inside_a_rolled_back_atomic_leaves_no_row(backend, db, request):
@@ -289,6 +314,7 @@ def test_sync_permanent_failure_is_recorded_as_a_failed_row(django_capture_on_co
 
 
 # -- built-in handlers ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("payload", ["clearsessions", ["clearsessions"], {"name": "clearsessions"}])
 def test_command_handler_runs_a_management_command(payload):
@@ -350,6 +376,7 @@ def test_shell_job_runs_an_allowlisted_program_through_the_worker(tmp_path):
 
 # -- who may run where, and whether to retry ----------------------------------------------------------
 
+
 def test_queue_handlers_allowlist_rejects_a_handler_on_that_queue(backend):
     with jobs_settings(QUEUE_HANDLERS={"default": ["command"]}):
         blocked = scripted.using(backend=backend, max_retries=3).dispatch(action="ok", key="blocked")
@@ -366,11 +393,14 @@ def test_queue_handlers_allowlist_rejects_a_handler_on_that_queue(backend):
     assert runs("blocked") == 0 and runs("elsewhere") == 1
 
 
-@pytest.mark.parametrize("retry_on, expected_runs", [
-    ([RuntimeError], 3),
-    ([Exception], 3),  # a base class covers its subclasses
-    ([ValueError, KeyError], 1),  # RuntimeError is not listed: no retry
-])
+@pytest.mark.parametrize(
+    "retry_on, expected_runs",
+    [
+        ([RuntimeError], 3),
+        ([Exception], 3),  # a base class covers its subclasses
+        ([ValueError, KeyError], 1),  # RuntimeError is not listed: no retry
+    ],
+)
 def test_retry_on_restricts_retries_to_the_listed_exceptions(retry_on, expected_runs):
     job_id = scripted.using(max_retries=2, retry_on=retry_on).dispatch(action="raise", key="retry-on")
     statuses = [r.status for r in drain(QueueWorker("default"))]
@@ -380,8 +410,12 @@ def test_retry_on_restricts_retries_to_the_listed_exceptions(retry_on, expected_
 
 
 def test_retry_on_from_the_builder():
-    job_id = (Jobs.define(scripted.key, {"args": ["raise"], "kwargs": {"key": "b-retry-on"}})
-              .max_retries(4).retry_on(ValueError).dispatch())
+    job_id = (
+        Jobs.define(scripted.key, {"args": ["raise"], "kwargs": {"key": "b-retry-on"}})
+        .max_retries(4)
+        .retry_on(ValueError)
+        .dispatch()
+    )
     assert [r.status for r in drain(QueueWorker("default"))] == ["dead-lettered"]
     assert Job.objects.get(pk=job_id).attempts == 1
 
@@ -393,7 +427,10 @@ def test_handler_can_retry_has_the_last_word(backend):
     # max_retries would allow six runs; can_retry says no after the second.
     assert statuses == ["requeued", "dead-lettered"]
     assert GiveUpHandler.calls == [
-        ("run", 1), ("can_retry", (1, "RuntimeError")), ("run", 2), ("can_retry", (2, "RuntimeError")),
+        ("run", 1),
+        ("can_retry", (1, "RuntimeError")),
+        ("run", 2),
+        ("can_retry", (2, "RuntimeError")),
     ]
     job = row(backend, job_id)
     assert (job.status, job.attempts) == ("failed", 2)
@@ -402,7 +439,8 @@ def test_handler_can_retry_has_the_last_word(backend):
 @pytest.mark.parametrize("single_instance", [True, False])
 def test_single_instance_requeues_a_delivery_while_the_lock_is_held(backend, single_instance):
     first = reentrant.using(single_instance=single_instance, priority=10, backend=backend).dispatch(
-        key="A", backend=backend)
+        key="A", backend=backend
+    )
     second = reentrant.using(single_instance=single_instance, backend=backend).dispatch(key="B", backend=backend)
     worker = QueueWorker(backend, ["other"])
 
@@ -425,6 +463,7 @@ def test_single_instance_requeues_a_delivery_while_the_lock_is_held(backend, sin
 
 
 # -- settings are read lazily --------------------------------------------------------------------------
+
 
 def test_override_settings_keeps_the_test_transaction():
     first = scripted.dispatch(action="ok")  # builds the default backend instance

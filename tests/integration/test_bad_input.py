@@ -30,7 +30,6 @@ from tests.testapp.jobs import scripted
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
 
 
-
 def raw_update(backend: str, job_id: str, column: str, value: object) -> None:
     """``UPDATE django_jobs_job SET <column> = %s`` behind the ORM's back."""
     with connections[alias(backend)].cursor() as cursor:
@@ -74,10 +73,12 @@ def assert_rejected(backend: str, result, job_id: str, counter_name: str, queue:
 
 # -- tampered rows: the signature catches every change to a signed field -------------------------------
 
+
 def test_payload_tampered_through_the_orm_is_rejected(backend):
     job_id = scripted.using(backend=backend, max_retries=3).dispatch(action="ok", key="victim")
     Job.objects.using(alias(backend)).filter(pk=job_id).update(
-        payload={"args": ["ok"], "kwargs": {"key": "victim", "db": "attacker"}})
+        payload={"args": ["ok"], "kwargs": {"key": "victim", "db": "attacker"}}
+    )
     worker = QueueWorker(backend)
     result = worker.process_once()
     assert_rejected(backend, result, job_id, "jobs_rejected_signature")
@@ -85,18 +86,21 @@ def test_payload_tampered_through_the_orm_is_rejected(backend):
     good_job_still_runs(backend, worker)
 
 
-@pytest.mark.parametrize("column, value", [
-    ("signature", "0" * 64),
-    ("signature", ""),  # unsigned
-    ("payload", '{"args": ["ok"], "kwargs": {"key": "victim", "seconds": 1}}'),
-    ("handler", "tests.testapp.jobs.noop"),  # a registered handler, but not the one signed
-    ("max_retries", 50),  # more runs than the sender allowed
-    ("priority", 100),
-    ("timeout", 9999),
-    ("name", "renamed"),
-    ("idempotency_key", "someone-elses-key"),
-    ("options", '{"retry_on": ["builtins.Exception"]}'),  # per-job behaviour travels signed too
-])
+@pytest.mark.parametrize(
+    "column, value",
+    [
+        ("signature", "0" * 64),
+        ("signature", ""),  # unsigned
+        ("payload", '{"args": ["ok"], "kwargs": {"key": "victim", "seconds": 1}}'),
+        ("handler", "tests.testapp.jobs.noop"),  # a registered handler, but not the one signed
+        ("max_retries", 50),  # more runs than the sender allowed
+        ("priority", 100),
+        ("timeout", 9999),
+        ("name", "renamed"),
+        ("idempotency_key", "someone-elses-key"),
+        ("options", '{"retry_on": ["builtins.Exception"]}'),  # per-job behaviour travels signed too
+    ],
+)
 def test_signed_column_tampered_with_raw_sql_is_rejected(backend, column, value):
     job_id = scripted.using(backend=backend).dispatch(action="ok", key="victim")
     raw_update(backend, job_id, column, value)
@@ -146,6 +150,7 @@ def test_row_resigned_with_a_wrong_key_is_rejected_unless_verification_is_off(ba
 
 
 # -- undecodable rows ----------------------------------------------------------------------------------
+
 
 def test_garbage_in_the_sqlite_payload_column_is_rejected():
     job_id = scripted.dispatch(action="ok", key="victim")
@@ -216,11 +221,15 @@ def test_job_payload_of_the_wrong_shape_fails_without_retry(backend):
 
 # -- unknown handlers ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("handler", [
-    "no.such.handler",
-    "os.system",  # an importable path is still not a registered handler
-    "tests.testapp.models.SideEffect",
-])
+
+@pytest.mark.parametrize(
+    "handler",
+    [
+        "no.such.handler",
+        "os.system",  # an importable path is still not a registered handler
+        "tests.testapp.models.SideEffect",
+    ],
+)
 def test_message_naming_an_unknown_handler_is_rejected(backend, handler):
     job_id = Jobs.define(handler, "rm -rf /").max_retries(3).dispatch(backend=backend)
     worker = QueueWorker(backend)

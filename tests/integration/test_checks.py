@@ -29,8 +29,12 @@ def jobs_errors(**changes) -> list[checks.CheckMessage]:
         return run_jobs_checks()
 
 
-def only(errors: list[checks.CheckMessage], check_id: str, *fragments: str, obj: str = "settings.JOBS",
-         ) -> checks.CheckMessage:
+def only(
+    errors: list[checks.CheckMessage],
+    check_id: str,
+    *fragments: str,
+    obj: str = "settings.JOBS",
+) -> checks.CheckMessage:
     """Exactly one message, an Error with this id about ``obj``, naming every fragment."""
     assert [e.id for e in errors] == [check_id], [str(e) for e in errors]
     [error] = errors
@@ -52,13 +56,18 @@ def test_defaults_pass():
 
 
 def test_unknown_engine():
-    only(jobs_errors(BACKENDS={"default": {"ENGINE": "database"}, "fast": {"ENGINE": "rabbitmq"}}),
-         "django_jobs.E002", "'fast'", "rabbitmq")
+    only(
+        jobs_errors(BACKENDS={"default": {"ENGINE": "database"}, "fast": {"ENGINE": "rabbitmq"}}),
+        "django_jobs.E002",
+        "'fast'",
+        "rabbitmq",
+    )
 
 
 def test_engine_dotted_path_that_cannot_be_imported():
-    only(jobs_errors(BACKENDS={"default": {"ENGINE": "myproject.queues.NoSuchBackend"}}),
-         "django_jobs.E002", "'default'")
+    only(
+        jobs_errors(BACKENDS={"default": {"ENGINE": "myproject.queues.NoSuchBackend"}}), "django_jobs.E002", "'default'"
+    )
 
 
 def test_dotted_path_engine_that_exists_passes():
@@ -74,10 +83,18 @@ def test_unknown_strategy():
     assert "exponential" in error.hint
 
 
-@pytest.mark.parametrize("key", [
-    "RETRY_BACKOFF_BASE", "RETRY_BACKOFF_MULTIPLIER", "RETRY_BACKOFF_MAX", "DEFAULT_MAX_RETRIES",
-    "LEASE_TIMEOUT", "IDEMPOTENCY_TTL", "POLL_INTERVAL",
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "RETRY_BACKOFF_BASE",
+        "RETRY_BACKOFF_MULTIPLIER",
+        "RETRY_BACKOFF_MAX",
+        "DEFAULT_MAX_RETRIES",
+        "LEASE_TIMEOUT",
+        "IDEMPOTENCY_TTL",
+        "POLL_INTERVAL",
+    ],
+)
 @pytest.mark.parametrize("value", [-1, -0.5, "5", True])
 def test_negative_or_non_numeric_numbers(key, value):
     only(jobs_errors(**{key: value}), "django_jobs.E004", key)
@@ -99,16 +116,21 @@ def test_unknown_idempotency_cache_alias():
 def test_queue_handlers_naming_an_unknown_handler():
     error = only(
         jobs_errors(QUEUE_HANDLERS={"default": ["command", "tests.testapp.jobs.scripted", "ghost.handler"]}),
-        "django_jobs.E006", "'ghost.handler'", "'default'",
+        "django_jobs.E006",
+        "'ghost.handler'",
+        "'default'",
     )
     assert error.hint
 
 
 def test_queue_handlers_naming_known_handlers_pass():
-    assert jobs_errors(
-        HANDLERS={"giveup": "tests.api_support.GiveUpHandler"},
-        QUEUE_HANDLERS={"default": ["command", "shell", "giveup"], "emails": ["tests.testapp.jobs.scripted"]},
-    ) == []
+    assert (
+        jobs_errors(
+            HANDLERS={"giveup": "tests.api_support.GiveUpHandler"},
+            QUEUE_HANDLERS={"default": ["command", "shell", "giveup"], "emails": ["tests.testapp.jobs.scripted"]},
+        )
+        == []
+    )
 
 
 def test_empty_queues():
@@ -132,6 +154,7 @@ def test_manage_py_check_fails_on_bad_settings():
 
 # -- the shape of JOBS and its keys --------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("value", [["QUEUES", ["default"]], "QUEUES", 1])
 def test_jobs_must_be_a_dict(value):
     with override_settings(JOBS=value):
@@ -143,13 +166,16 @@ def test_every_setting_has_a_validation_rule():
     assert "ALLOWED_COMMANDS" in conf.DEFAULTS and conf.DEFAULTS["ALLOWED_COMMANDS"] == []
 
 
-@pytest.mark.parametrize(("key", "suggestion"), [
-    ("RETRY_BACKOF_BASE", "'RETRY_BACKOFF_BASE'"),
-    ("LEASE_TIMOUT", "'LEASE_TIMEOUT'"),
-    ("retry_backoff_base", "'RETRY_BACKOFF_BASE'"),  # lower case: Django settings keys are upper case
-    ("allowed_commands", "'ALLOWED_COMMANDS'"),
-    ("ALLOWED_COMMAND", "'ALLOWED_COMMANDS'"),
-])
+@pytest.mark.parametrize(
+    ("key", "suggestion"),
+    [
+        ("RETRY_BACKOF_BASE", "'RETRY_BACKOFF_BASE'"),
+        ("LEASE_TIMOUT", "'LEASE_TIMEOUT'"),
+        ("retry_backoff_base", "'RETRY_BACKOFF_BASE'"),  # lower case: Django settings keys are upper case
+        ("allowed_commands", "'ALLOWED_COMMANDS'"),
+        ("ALLOWED_COMMAND", "'ALLOWED_COMMANDS'"),
+    ],
+)
 def test_unknown_key_with_a_did_you_mean_hint(key, suggestion):
     error = only(jobs_errors(**{key: 5}), "django_jobs.E009", repr(key))
     assert suggestion in error.hint
@@ -243,15 +269,29 @@ def test_signing_keys_are_never_quoted_in_messages():
 
 
 def test_good_values_of_every_kind_pass():
-    assert jobs_errors(
-        SIGNING_KEY=b"k" * 32, SIGNING_KEY_FALLBACKS=("old", b"older"), VERIFY_SIGNATURE=False,
-        ALLOWED_SHELL_COMMANDS=("/bin/echo",), ALLOWED_COMMANDS=["clearsessions", "check"],
-        QUEUES=("default", "other", "emails"), QUEUE_HANDLERS={"emails": []},
-        MAX_MESSAGE_BYTES=65535, DEFAULT_TIMEOUT=2.5, DEFAULT_MAX_RETRIES=3, LEASE_TIMEOUT=0.5,
-        SCHEDULE={}, METRICS_COLLECTOR=None, DEAD_LETTER_QUEUE="other", IMPORTS=["tests.api_support"],
-        HANDLERS={"shell": None, "giveup": "tests.api_support.GiveUpHandler"}, URL_ALLOW_PRIVATE_NETWORKS=True,
-        RETRY_BACKOFF_JITTER=False,
-    ) == []
+    assert (
+        jobs_errors(
+            SIGNING_KEY=b"k" * 32,
+            SIGNING_KEY_FALLBACKS=("old", b"older"),
+            VERIFY_SIGNATURE=False,
+            ALLOWED_SHELL_COMMANDS=("/bin/echo",),
+            ALLOWED_COMMANDS=["clearsessions", "check"],
+            QUEUES=("default", "other", "emails"),
+            QUEUE_HANDLERS={"emails": []},
+            MAX_MESSAGE_BYTES=65535,
+            DEFAULT_TIMEOUT=2.5,
+            DEFAULT_MAX_RETRIES=3,
+            LEASE_TIMEOUT=0.5,
+            SCHEDULE={},
+            METRICS_COLLECTOR=None,
+            DEAD_LETTER_QUEUE="other",
+            IMPORTS=["tests.api_support"],
+            HANDLERS={"shell": None, "giveup": "tests.api_support.GiveUpHandler"},
+            URL_ALLOW_PRIVATE_NETWORKS=True,
+            RETRY_BACKOFF_JITTER=False,
+        )
+        == []
+    )
 
 
 def test_secret_key_fallbacks_are_checked_when_keys_derive_from_them():
@@ -271,6 +311,7 @@ def test_a_bad_key_is_reported_once_not_again_by_the_checks_that_use_it():
 
 # -- queue names ---------------------------------------------------------------------------------------
 
+
 def test_job_decorator_naming_an_unknown_queue(monkeypatch):
     monkeypatch.setattr(registry, "_registered", dict(registry.registered()))  # forgotten after the test
 
@@ -283,8 +324,9 @@ def test_job_decorator_naming_an_unknown_queue(monkeypatch):
 
 def test_registered_jobs_queues_must_stay_in_queues():
     # tests.api_support.configured_job is @job(queue="emails").
-    only(jobs_errors(QUEUES=["default", "other"]), "django_jobs.E012", "'emails'",
-         obj="tests.api_support.configured_job")
+    only(
+        jobs_errors(QUEUES=["default", "other"]), "django_jobs.E012", "'emails'", obj="tests.api_support.configured_job"
+    )
 
 
 def test_queue_handlers_key_naming_an_unknown_queue():
@@ -307,12 +349,15 @@ def test_did_you_mean_on_backend_and_cache_names():
 
 # -- modules a worker imports ----------------------------------------------------------------------------
 
+
 def test_imports_that_cannot_be_imported():
     only(jobs_errors(IMPORTS=["tests.no_such_module_here"]), "django_jobs.E013", "'tests.no_such_module_here'")
 
 
 def test_manage_py_check_reports_settings_that_weaken_security():
-    with jobs_settings(SIGNING_KEY_FALLBACKS=[""], ALLOWED_SHELL_COMMANDS="sh -c"), \
-            pytest.raises(SystemCheckError, match="SIGNING_KEY_FALLBACKS") as info:
+    with (
+        jobs_settings(SIGNING_KEY_FALLBACKS=[""], ALLOWED_SHELL_COMMANDS="sh -c"),
+        pytest.raises(SystemCheckError, match="SIGNING_KEY_FALLBACKS") as info,
+    ):
         call_command("check")
     assert "ALLOWED_SHELL_COMMANDS" in str(info.value)

@@ -39,6 +39,7 @@ def finished(action: str, queue: str = "default", **opts) -> str:
 
 # -- jobs_purge ---------------------------------------------------------------------------------------
 
+
 def test_purge_deletes_by_status():
     ok1, ok2 = finished("ok"), finished("ok")
     bad = finished("raise")
@@ -56,7 +57,8 @@ def test_purge_by_queue_and_age():
     old_other = finished("ok", queue="other")
     Job.objects.filter(pk__in=[old, old_other]).update(finished_at=timezone.now() - timedelta(days=3))
     assert run("jobs_purge", "--status", "completed", "--before", "2d", "--queue", "default") == (
-        "deleted 1 completed job(s)\n")
+        "deleted 1 completed job(s)\n"
+    )
     assert set(Job.objects.values_list("pk", flat=True)) == {fresh, old_other}
     assert run("jobs_purge", "--status", "completed", "--before", "48h") == "deleted 1 completed job(s)\n"
     assert list(Job.objects.values_list("pk", flat=True)) == [fresh]
@@ -67,7 +69,8 @@ def test_purge_dry_run_counts_without_deleting():
     finished("raise", queue="emails")
     assert run("jobs_purge", "--status", "failed", "--dry-run") == "would delete 2 failed job(s)\n"
     assert run("jobs_purge", "--status", "failed", "--queue", "emails", "--dry-run") == (
-        "would delete 1 failed job(s)\n")
+        "would delete 1 failed job(s)\n"
+    )
     assert Job.objects.filter(status="failed").count() == 2
 
 
@@ -78,16 +81,19 @@ def test_purge_reaches_a_database_backend_on_another_alias(postgres_up):
     assert not Job.objects.using("postgres").exists()
 
 
-@pytest.mark.parametrize("argv", [
-    ["jobs_purge"],  # --status is required
-    ["jobs_purge", "--status", "pending"],  # live jobs are never purged
-    ["jobs_purge", "--status", "completed", "--before", "yesterday"],
-    ["jobs_purge", "--status", "completed", "--before", "-5d"],
-    ["jobs_retry"],  # nothing to retry given
-    ["jobs_retry", "abc", "--all-failed"],  # both
-    ["jobs_stats", "--bogus"],
-    ["jobs_reap", "--interval", "soon"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["jobs_purge"],  # --status is required
+        ["jobs_purge", "--status", "pending"],  # live jobs are never purged
+        ["jobs_purge", "--status", "completed", "--before", "yesterday"],
+        ["jobs_purge", "--status", "completed", "--before", "-5d"],
+        ["jobs_retry"],  # nothing to retry given
+        ["jobs_retry", "abc", "--all-failed"],  # both
+        ["jobs_stats", "--bogus"],
+        ["jobs_reap", "--interval", "soon"],
+    ],
+)
 def test_bad_options_raise_command_error(argv):
     with pytest.raises(CommandError):
         run(*argv)
@@ -97,36 +103,41 @@ def test_bad_options_raise_command_error(argv):
 def nothing_starts():
     """A worker pool or a reaper loop that starts fails the test at once (instead of forking
     workers inside pytest, or spinning forever on a zero interval)."""
-    with mock.patch.object(WorkerPool, "install_signal_handlers"), \
-            mock.patch.object(WorkerPool, "run", side_effect=AssertionError("a worker pool started")), \
-            mock.patch.object(Reaper, "run", side_effect=AssertionError("a reaper loop started")):
+    with (
+        mock.patch.object(WorkerPool, "install_signal_handlers"),
+        mock.patch.object(WorkerPool, "run", side_effect=AssertionError("a worker pool started")),
+        mock.patch.object(Reaper, "run", side_effect=AssertionError("a reaper loop started")),
+    ):
         yield
 
 
 @pytest.mark.usefixtures("nothing_starts")
-@pytest.mark.parametrize(("argv", "message"), [
-    (["jobs_work", "--backend", "nope"], "unknown backend 'nope'"),
-    (["jobs_work", "--backend", "nope", "--once"], "unknown backend 'nope'"),
-    (["jobs_work", "--backend", "Redis"], "did you mean 'redis'?"),
-    (["jobs_work", "nope"], "unknown queue(s) nope"),
-    (["jobs_work", "default", "emials"], "did you mean 'emails'?"),
-    (["jobs_work", "--sleep", "0"], "--sleep must be a positive number"),
-    (["jobs_work", "--sleep", "-1"], "--sleep must be a positive number"),
-    (["jobs_work", "--sleep", "nan"], "--sleep must be a positive number"),
-    (["jobs_work", "--max", "-1"], "--max must be at least 1"),
-    (["jobs_work", "--max", "0"], "--max must be at least 1"),
-    (["jobs_work", "--concurrency", "0"], "--concurrency must be at least 1"),
-    (["jobs_work", "--max-time", "0"], "--max-time must be a positive number"),
-    (["jobs_work", "--max-time", "-3"], "--max-time must be a positive number"),
-    (["jobs_reap", "--interval", "0"], "--interval must be a positive number"),
-    (["jobs_reap", "--loop", "--interval", "-5"], "--interval must be a positive number"),
-    (["jobs_reap", "--loop", "--interval", "0"], "--interval must be a positive number"),
-    (["jobs_reap", "--backend", "nope"], "unknown backend 'nope'"),
-    (["jobs_reap", "nope"], "unknown queue(s) nope"),
-    (["jobs_purge", "--status", "completed", "--before", "99999999999d"], "too large"),
-    (["jobs_purge", "--status", "completed", "--before", "9" * 400], "too large"),
-    (["jobs_stats", "--backend", "nope"], "unknown backend 'nope'"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["jobs_work", "--backend", "nope"], "unknown backend 'nope'"),
+        (["jobs_work", "--backend", "nope", "--once"], "unknown backend 'nope'"),
+        (["jobs_work", "--backend", "Redis"], "did you mean 'redis'?"),
+        (["jobs_work", "nope"], "unknown queue(s) nope"),
+        (["jobs_work", "default", "emials"], "did you mean 'emails'?"),
+        (["jobs_work", "--sleep", "0"], "--sleep must be a positive number"),
+        (["jobs_work", "--sleep", "-1"], "--sleep must be a positive number"),
+        (["jobs_work", "--sleep", "nan"], "--sleep must be a positive number"),
+        (["jobs_work", "--max", "-1"], "--max must be at least 1"),
+        (["jobs_work", "--max", "0"], "--max must be at least 1"),
+        (["jobs_work", "--concurrency", "0"], "--concurrency must be at least 1"),
+        (["jobs_work", "--max-time", "0"], "--max-time must be a positive number"),
+        (["jobs_work", "--max-time", "-3"], "--max-time must be a positive number"),
+        (["jobs_reap", "--interval", "0"], "--interval must be a positive number"),
+        (["jobs_reap", "--loop", "--interval", "-5"], "--interval must be a positive number"),
+        (["jobs_reap", "--loop", "--interval", "0"], "--interval must be a positive number"),
+        (["jobs_reap", "--backend", "nope"], "unknown backend 'nope'"),
+        (["jobs_reap", "nope"], "unknown queue(s) nope"),
+        (["jobs_purge", "--status", "completed", "--before", "99999999999d"], "too large"),
+        (["jobs_purge", "--status", "completed", "--before", "9" * 400], "too large"),
+        (["jobs_stats", "--backend", "nope"], "unknown backend 'nope'"),
+    ],
+)
 def test_bad_values_are_one_line_command_errors(argv, message):
     with pytest.raises(CommandError) as info:
         run(*argv)
@@ -137,26 +148,33 @@ def test_bad_values_are_one_line_command_errors(argv, message):
 @pytest.mark.usefixtures("nothing_starts")
 def test_a_backend_whose_engine_cannot_be_imported_is_refused_before_starting():
     backends = {**settings.JOBS["BACKENDS"], "gone": {"ENGINE": "myproject.queues.NoSuchBackend"}}
-    with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends}), \
-            pytest.raises(CommandError, match="backend 'gone'"):
+    with (
+        override_settings(JOBS={**settings.JOBS, "BACKENDS": backends}),
+        pytest.raises(CommandError, match="backend 'gone'"),
+    ):
         run("jobs_work", "--backend", "gone", "--once")
 
 
 @pytest.mark.usefixtures("nothing_starts")
 def test_bad_signing_settings_stop_jobs_work_before_it_starts():
-    with override_settings(JOBS={**settings.JOBS, "SIGNING_KEY_FALLBACKS": "old-key"}), \
-            pytest.raises(CommandError, match="SIGNING_KEY_FALLBACKS"):
+    with (
+        override_settings(JOBS={**settings.JOBS, "SIGNING_KEY_FALLBACKS": "old-key"}),
+        pytest.raises(CommandError, match="SIGNING_KEY_FALLBACKS"),
+    ):
         run("jobs_work", "--once")
 
 
 def test_jobs_work_exits_non_zero_when_its_pool_gives_up():
-    with mock.patch.object(WorkerPool, "install_signal_handlers"), \
-            mock.patch.object(WorkerPool, "run", return_value=1), \
-            pytest.raises(CommandError, match="keep dying at start-up"):
+    with (
+        mock.patch.object(WorkerPool, "install_signal_handlers"),
+        mock.patch.object(WorkerPool, "run", return_value=1),
+        pytest.raises(CommandError, match="keep dying at start-up"),
+    ):
         run("jobs_work", "--once")
 
 
 # -- jobs_retry ---------------------------------------------------------------------------------------
+
 
 def test_retry_by_ids():
     first = finished("raise")
@@ -198,6 +216,7 @@ def test_retry_of_unknown_ids_retries_nothing():
 
 # -- jobs_stats ---------------------------------------------------------------------------------------
 
+
 def make_stats_rows() -> None:
     """default queue: 2 pending, 1 delayed, 1 in progress, 1 failed, 1 completed; other: 1 pending."""
     finished("raise")
@@ -216,11 +235,29 @@ def test_stats_json_matches_the_rows():
     by_queue = {(r["backend"], r["queue"]): r for r in rows}
     assert set(by_queue) == {("default", "default"), ("default", "other"), ("default", "emails")}
     assert by_queue["default", "default"] == {
-        "backend": "default", "queue": "default", "pending": 2, "delayed": 1, "in_progress": 1, "failed": 1}
+        "backend": "default",
+        "queue": "default",
+        "pending": 2,
+        "delayed": 1,
+        "in_progress": 1,
+        "failed": 1,
+    }
     assert by_queue["default", "other"] == {
-        "backend": "default", "queue": "other", "pending": 1, "delayed": 0, "in_progress": 0, "failed": 0}
+        "backend": "default",
+        "queue": "other",
+        "pending": 1,
+        "delayed": 0,
+        "in_progress": 0,
+        "failed": 0,
+    }
     assert by_queue["default", "emails"] == {
-        "backend": "default", "queue": "emails", "pending": 0, "delayed": 0, "in_progress": 0, "failed": 0}
+        "backend": "default",
+        "queue": "emails",
+        "pending": 0,
+        "delayed": 0,
+        "in_progress": 0,
+        "failed": 0,
+    }
 
 
 def test_stats_table_covers_every_backend(postgres_up, redis_up, beanstalk_up):
@@ -238,8 +275,15 @@ def test_stats_table_covers_every_backend(postgres_up, redis_up, beanstalk_up):
     assert len(table) == len(settings.JOBS["BACKENDS"]) * len(settings.JOBS["QUEUES"])
 
 
-@override_settings(JOBS={**settings.JOBS, "BACKENDS": {
-    **settings.JOBS["BACKENDS"], "down": {"ENGINE": "redis", "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}}}})
+@override_settings(
+    JOBS={
+        **settings.JOBS,
+        "BACKENDS": {
+            **settings.JOBS["BACKENDS"],
+            "down": {"ENGINE": "redis", "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}},
+        },
+    }
+)
 def test_stats_reports_an_unreachable_backend_and_still_shows_the_others():
     lines = run("jobs_stats").splitlines()
     assert any(line.startswith("down") and "unavailable: ConnectionError" in line for line in lines)
@@ -247,6 +291,7 @@ def test_stats_reports_an_unreachable_backend_and_still_shows_the_others():
 
 
 # -- jobs_reap -----------------------------------------------------------------------------------------
+
 
 def test_reap_recovers_expired_leases_and_prints_the_count():
     retried = scripted.using(max_retries=1).dispatch(action="ok", key="reaped")

@@ -103,8 +103,15 @@ def test_dispatch_with_a_huge_backoff_is_refused_and_writes_nothing(postgres_up)
 def _lost(job_id: str, attempts: int = 0) -> None:
     """The row's worker died a minute ago: in progress, lease expired."""
     past = timezone.now() - timedelta(seconds=60)
-    updated = Job.objects.using(PG).filter(pk=job_id).update(
-        status=JobStatus.IN_PROGRESS, owner_token=uuid.uuid4().hex, leased_until=past, attempts=attempts,
+    updated = (
+        Job.objects.using(PG)
+        .filter(pk=job_id)
+        .update(
+            status=JobStatus.IN_PROGRESS,
+            owner_token=uuid.uuid4().hex,
+            leased_until=past,
+            attempts=attempts,
+        )
     )
     assert updated == 1
 
@@ -113,8 +120,15 @@ def _unsigned_lost_row(key: str, **fields: Any) -> str:
     """A row written straight into the table (no signing key): a huge backoff in its options."""
     job_id = uuid.uuid4().hex
     Job.objects.using(PG).create(
-        id=job_id, queue="default", handler=scripted.key, payload=payload(key), options={"backoff": HUGE_BACKOFF},
-        signature="0" * 64, max_retries=3, backend="pg", available_at=timezone.now() - timedelta(minutes=5),
+        id=job_id,
+        queue="default",
+        handler=scripted.key,
+        payload=payload(key),
+        options={"backoff": HUGE_BACKOFF},
+        signature="0" * 64,
+        max_retries=3,
+        backend="pg",
+        available_at=timezone.now() - timedelta(minutes=5),
         **fields,
     )
     _lost(job_id, fields.get("attempts", 0))
@@ -123,8 +137,14 @@ def _unsigned_lost_row(key: str, **fields: Any) -> str:
 
 def _signed_lost_row(key: str) -> str:
     """A validly signed job whose own backoff is huge (dispatched before delays were checked)."""
-    env = Envelope(id=uuid.uuid4().hex, handler=scripted.key, payload=payload(key), queue="default",
-                   max_retries=3, options={"backoff": HUGE_BACKOFF})
+    env = Envelope(
+        id=uuid.uuid4().hex,
+        handler=scripted.key,
+        payload=payload(key),
+        queue="default",
+        max_retries=3,
+        options={"backoff": HUGE_BACKOFF},
+    )
     env.signature = signing.sign(env)
     get_backend("pg").enqueue(env)
     _lost(env.id)
@@ -224,9 +244,21 @@ def _push_to_beanstalk(address: tuple[str, int], backend: Any, env: Envelope, qu
 
 
 def _snapshot(job_id: str) -> dict[str, Any]:
-    return Job.objects.filter(pk=job_id).values(
-        "status", "payload", "signature", "backend", "attempts", "last_error", "handler", "options", "updated_at",
-    ).get()
+    return (
+        Job.objects.filter(pk=job_id)
+        .values(
+            "status",
+            "payload",
+            "signature",
+            "backend",
+            "attempts",
+            "last_error",
+            "handler",
+            "options",
+            "updated_at",
+        )
+        .get()
+    )
 
 
 def _assert_forgery_kept_apart(victim: str, victim_before: dict[str, Any], broker: str, evil_key: str) -> Job:
@@ -269,8 +301,16 @@ def test_signed_copy_replayed_into_redis_does_not_overwrite_the_database_job(red
     victim = scripted.dispatch(action="ok", key=victim_key, db="default")
     before = _snapshot(victim)
     row = Job.objects.get(pk=victim)
-    copy = Envelope(id=row.id, handler=row.handler, payload=row.payload, queue=row.queue,
-                    max_retries=row.max_retries, name=row.name, options=row.options, signature=row.signature)
+    copy = Envelope(
+        id=row.id,
+        handler=row.handler,
+        payload=row.payload,
+        queue=row.queue,
+        max_retries=row.max_retries,
+        name=row.name,
+        options=row.options,
+        signature=row.signature,
+    )
     _push_to_redis(redis_backend, copy, queue="other")
 
     result = QueueWorker("redis", ["other"]).process_once()
@@ -331,8 +371,7 @@ def database_cache(postgres_up) -> Iterator[str]:
         "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
         "jobs": {"BACKEND": "django.core.cache.backends.db.DatabaseCache", "LOCATION": table},
     }
-    jobs = {**settings.JOBS, "IDEMPOTENCY_CACHE": "jobs",
-            "HANDLERS": {LONG_HANDLER: f"{__name__}.record_single_run"}}
+    jobs = {**settings.JOBS, "IDEMPOTENCY_CACHE": "jobs", "HANDLERS": {LONG_HANDLER: f"{__name__}.record_single_run"}}
     with override_settings(CACHES=caches_setting, DATABASE_ROUTERS=[f"{__name__}.CacheOnPostgres"], JOBS=jobs):
         call_command("createcachetable", database=PG, verbosity=0)
         yield table

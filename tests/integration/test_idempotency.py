@@ -27,7 +27,6 @@ from tests.testapp.jobs import scripted
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
 
 
-
 def test_a_key_that_succeeded_skips_later_deliveries(backend):
     first = scripted.using(backend=backend, idempotency_key="order-1").dispatch(action="ok", key="idem")
     again = scripted.using(backend=backend, idempotency_key="order-1").dispatch(action="ok", key="idem")
@@ -36,7 +35,10 @@ def test_a_key_that_succeeded_skips_later_deliveries(backend):
 
     results = drain(worker)
     assert [(r.status, r.job_id) for r in results] == [
-        ("acked", first), ("skipped-idempotent", again), ("acked", other)]
+        ("acked", first),
+        ("skipped-idempotent", again),
+        ("acked", other),
+    ]
     assert runs("idem") == 2  # the duplicate never ran
     skipped = row(backend, again)
     # Acked without running: settled, and not counted as a run.
@@ -50,7 +52,8 @@ def test_a_key_that_succeeded_skips_later_deliveries(backend):
 def test_a_failed_run_does_not_block_its_own_retry(backend):
     # flaky: the first run fails, the second succeeds.
     job_id = scripted.using(backend=backend, idempotency_key="charge-7", max_retries=2).dispatch(
-        action="flaky", key="charge", fail_times=1)
+        action="flaky", key="charge", fail_times=1
+    )
     worker = QueueWorker(backend)
     assert [r.status for r in drain(worker)] == ["requeued", "acked"]
     assert runs("charge") == 2
@@ -74,8 +77,7 @@ def test_a_key_whose_job_failed_permanently_stays_usable(backend):
 
 def test_a_delivery_whose_key_is_held_by_a_running_delivery_is_requeued(backend):
     # The first job, while it runs, has a second worker process the duplicate delivery.
-    first = reentrant.using(backend=backend, idempotency_key="dup", priority=10).dispatch(
-        key="A", backend=backend)
+    first = reentrant.using(backend=backend, idempotency_key="dup", priority=10).dispatch(key="A", backend=backend)
     second = reentrant.using(backend=backend, idempotency_key="dup").dispatch(key="B", backend=backend)
     worker = QueueWorker(backend, ["other"])
 
@@ -95,7 +97,8 @@ def test_a_delivery_whose_key_is_held_by_a_running_delivery_is_requeued(backend)
 
 def test_a_held_key_released_by_a_failure_lets_the_duplicate_run(backend):
     first = reentrant.using(backend=backend, idempotency_key="dup2", priority=10).dispatch(
-        key="A", backend=backend, fail=True)
+        key="A", backend=backend, fail=True
+    )
     second = reentrant.using(backend=backend, idempotency_key="dup2").dispatch(key="B", backend=backend)
     worker = QueueWorker(backend, ["other"])
 
@@ -162,8 +165,7 @@ def test_idempotency_key_with_the_sync_backend(django_capture_on_commit_callback
         for _ in range(2):
             scripted.using(backend="sync", idempotency_key="sync-key").dispatch(action="ok", key="sync-idem")
     assert runs("sync-idem") == 1
-    assert [r.status for r in Jobs.backend("sync").last_results[-2:]] == [
-        "acked", "skipped-idempotent"]
+    assert [r.status for r in Jobs.backend("sync").last_results[-2:]] == ["acked", "skipped-idempotent"]
 
 
 # -- keys every cache backend accepts --
@@ -177,8 +179,18 @@ def test_a_short_printable_ascii_key_is_stored_as_it_is(key):
 
 @pytest.mark.parametrize(
     "key",
-    ["a" * 101, "x" * 255, "with space", "tab\there", "new\nline", "nul\x00", "del\x7f", "clé", "🔑",
-     "sha256:" + "0" * 64],
+    [
+        "a" * 101,
+        "x" * 255,
+        "with space",
+        "tab\there",
+        "new\nline",
+        "nul\x00",
+        "del\x7f",
+        "clé",
+        "🔑",
+        "sha256:" + "0" * 64,
+    ],
 )
 def test_a_long_or_unsafe_key_is_stored_as_its_digest(key):
     full = IdempotencyGuard().cache_key(key)
@@ -220,8 +232,10 @@ class BrokenCache(LocMemCache):
 
 
 def _with_cache(cache_class: str):
-    caches_setting = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
-                      "idem": {"BACKEND": f"{__name__}.{cache_class}", "LOCATION": cache_class}}
+    caches_setting = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "idem": {"BACKEND": f"{__name__}.{cache_class}", "LOCATION": cache_class},
+    }
     return override_settings(CACHES=caches_setting, JOBS={"IDEMPOTENCY_CACHE": "idem"})
 
 

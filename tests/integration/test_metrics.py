@@ -26,7 +26,6 @@ from tests.testapp.jobs import scripted
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
 
 
-
 def counters() -> dict[str, float]:
     """Every counter, summed over labels (zeros included, so a whole picture can be compared)."""
     return {name: counter(name) for name in COUNTERS}
@@ -39,9 +38,17 @@ def moved(before: dict[str, float]) -> dict[str, float]:
 def test_documented_counter_and_histogram_names_are_known():
     # The names docs/metrics.md promises.
     documented = {
-        "jobs_fetched", "jobs_succeeded", "jobs_failed", "jobs_requeued", "jobs_failed_permanently",
-        "jobs_skipped_idempotent", "jobs_rejected_signature", "jobs_rejected_payload", "jobs_reaped",
-        "jobs_lease_lost", "jobs_dlq_failed",
+        "jobs_fetched",
+        "jobs_succeeded",
+        "jobs_failed",
+        "jobs_requeued",
+        "jobs_failed_permanently",
+        "jobs_skipped_idempotent",
+        "jobs_rejected_signature",
+        "jobs_rejected_payload",
+        "jobs_reaped",
+        "jobs_lease_lost",
+        "jobs_dlq_failed",
     }
     assert documented <= set(COUNTERS)
     assert {"jobs_exec_seconds", "jobs_wait_seconds", "jobs_retry_delay_seconds"} == set(HISTOGRAMS)
@@ -110,7 +117,10 @@ def test_rejections_are_counted_by_reason(backend):
     before = counters()
     assert [r.status for r in drain(QueueWorker(backend))] == ["rejected"] * 3
     assert moved(before) == {
-        "jobs_fetched": 3, "jobs_rejected_signature": 1, "jobs_rejected_payload": 1, "jobs_rejected_handler": 1,
+        "jobs_fetched": 3,
+        "jobs_rejected_signature": 1,
+        "jobs_rejected_payload": 1,
+        "jobs_rejected_handler": 1,
     }
     assert runs("never") == 0
 

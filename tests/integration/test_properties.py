@@ -78,7 +78,11 @@ def close(a: float, b: float) -> bool:
 
 
 @given(
-    base=non_negative, multiplier=non_negative, maximum=non_negative, attempt=any_attempt, jitter=st.booleans(),
+    base=non_negative,
+    multiplier=non_negative,
+    maximum=non_negative,
+    attempt=any_attempt,
+    jitter=st.booleans(),
     strategy=st.sampled_from(["none", "fixed", "exponential", "full_jitter"]),
 )
 def test_delay_stays_in_zero_to_max_for_unbounded_inputs(base, multiplier, maximum, attempt, jitter, strategy):
@@ -94,7 +98,9 @@ def test_delay_stays_in_zero_to_max_for_unbounded_inputs(base, multiplier, maxim
 
 
 @given(
-    base=non_negative.filter(lambda b: b > 0), multiplier=non_negative, maximum=non_negative,
+    base=non_negative.filter(lambda b: b > 0),
+    multiplier=non_negative,
+    maximum=non_negative,
     attempt=st.integers(min_value=2) | st.sampled_from([10**30, 2**1000]),
 )
 def test_exponential_matches_the_spec_formula_for_unbounded_inputs(base, multiplier, maximum, attempt):
@@ -126,9 +132,17 @@ def signed_envelope() -> Envelope:
     field falls back to its default) changes what the MAC covers. One non-ASCII character in the
     payload exercises ``\\uXXXX`` escapes on the wire."""
     env = Envelope(
-        id="0123456789abcdef0123456789abcdef", handler="command", payload={"x": 1, "l": [1.5, None, "é", True]},
-        queue="emails", priority=4, max_retries=3, attempts=2, name="close month", idempotency_key="k1",
-        timeout=10.5, available_at=datetime(2026, 6, 30, 23, 59, 58, 123456, tzinfo=UTC),
+        id="0123456789abcdef0123456789abcdef",
+        handler="command",
+        payload={"x": 1, "l": [1.5, None, "é", True]},
+        queue="emails",
+        priority=4,
+        max_retries=3,
+        attempts=2,
+        name="close month",
+        idempotency_key="k1",
+        timeout=10.5,
+        available_at=datetime(2026, 6, 30, 23, 59, 58, 123456, tzinfo=UTC),
         options={"backoff": {"strategy": "fixed", "base": 3}, "single_instance": True},
     )
     env.signature = signing.sign(env)
@@ -227,8 +241,11 @@ def test_appended_bytes_are_rejected_unless_json_whitespace(tail):
 SIGNED = list(signing.SIGNED_FIELDS)
 
 json_scalars = (
-    st.none() | st.booleans() | st.integers(min_value=-(10**30), max_value=10**30)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
     | st.sampled_from(["", "\ud800", "\x00", "é", "command", "emails", 0, -0.0, 1e308, 10.5, 4, 3])
 )
 json_values = st.recursive(
@@ -243,12 +260,14 @@ def to_wire(data: Any, style: dict[str, Any], as_text: bool) -> bytes | str:
     return text if as_text else text.encode("utf-8", "surrogatepass")  # lone surrogates: invalid UTF-8
 
 
-wire_styles = st.fixed_dictionaries({
-    "sort_keys": st.booleans(),
-    "ensure_ascii": st.booleans(),
-    "indent": st.sampled_from([None, 0, 2, "\t"]),
-    "separators": st.sampled_from([None, (",", ":"), (" , ", " : ")]),
-})
+wire_styles = st.fixed_dictionaries(
+    {
+        "sort_keys": st.booleans(),
+        "ensure_ascii": st.booleans(),
+        "indent": st.sampled_from([None, 0, 2, "\t"]),
+        "separators": st.sampled_from([None, (",", ":"), (" , ", " : ")]),
+    }
+)
 
 
 @given(style=wire_styles, as_text=st.booleans())
@@ -334,8 +353,8 @@ def tree_mutations(draw: st.DrawFn) -> bytes | str:
             parent = data
             for step in path[:-1]:
                 parent = parent[step]
-            parent[draw(st.text(max_size=14) | st.sampled_from(SIGNED + ["v", "signature", "attempts"]))] = (
-                parent.pop(path[-1])
+            parent[draw(st.text(max_size=14) | st.sampled_from(SIGNED + ["v", "signature", "attempts"]))] = parent.pop(
+                path[-1]
             )
         elif action == "add":
             data[draw(st.text(max_size=14))] = draw(json_values)
@@ -354,18 +373,53 @@ def test_structured_json_mutations_decode_well_typed_or_raise_invalid_payload_on
 
 
 JSONISH_TOKENS = [
-    b"{", b"}", b"[", b"]", b'"', b",", b":", b"\\", b" ", b"null", b"true", b"false", b"-0", b"1e400", b"-1e400",
-    b"NaN", b"Infinity", b"0.0", b"99999999999999999999", b"\\u0000", b"\\ud800", b"\\u00E9", b"\x00", b"\xff",
-    b"\xc3", b'"v":1', b'"v":2', b'"handler":"shell"', b'"queue":"default"', b'"attempts":0', b'"priority":5',
-    b'{"a":1,"a":2}', b"[" * 50, b"]" * 50,
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b'"',
+    b",",
+    b":",
+    b"\\",
+    b" ",
+    b"null",
+    b"true",
+    b"false",
+    b"-0",
+    b"1e400",
+    b"-1e400",
+    b"NaN",
+    b"Infinity",
+    b"0.0",
+    b"99999999999999999999",
+    b"\\u0000",
+    b"\\ud800",
+    b"\\u00E9",
+    b"\x00",
+    b"\xff",
+    b"\xc3",
+    b'"v":1',
+    b'"v":2',
+    b'"handler":"shell"',
+    b'"queue":"default"',
+    b'"attempts":0',
+    b'"priority":5',
+    b'{"a":1,"a":2}',
+    b"[" * 50,
+    b"]" * 50,
 ]
 
 
 @given(
     edits=st.lists(
-        st.tuples(st.floats(0, 1, exclude_max=True), st.sampled_from(["insert", "replace", "delete"]),
-                  st.sampled_from(JSONISH_TOKENS), st.integers(1, 8)),
-        min_size=1, max_size=4,
+        st.tuples(
+            st.floats(0, 1, exclude_max=True),
+            st.sampled_from(["insert", "replace", "delete"]),
+            st.sampled_from(JSONISH_TOKENS),
+            st.integers(1, 8),
+        ),
+        min_size=1,
+        max_size=4,
     ),
     as_text=st.booleans(),
 )
@@ -410,8 +464,18 @@ def test_a_duplicated_key_inside_a_signed_value_is_refused(where):
         Envelope.from_bytes(raw)
 
 
-INVALID_UTF8 = [b"\xff", b"\xfe", b"\x80", b"\xc3", b"\xc3\x28", b"\xc0\xaf", b"\xe0\x80\xaf", b"\xed\xa0\x80",
-                b"\xf4\x90\x80\x80", b"\xf8\x88\x80\x80\x80"]
+INVALID_UTF8 = [
+    b"\xff",
+    b"\xfe",
+    b"\x80",
+    b"\xc3",
+    b"\xc3\x28",
+    b"\xc0\xaf",
+    b"\xe0\x80\xaf",
+    b"\xed\xa0\x80",
+    b"\xf4\x90\x80\x80",
+    b"\xf8\x88\x80\x80\x80",
+]
 
 
 @given(where=st.floats(0, 1), sequence=st.sampled_from(INVALID_UTF8))
@@ -438,12 +502,14 @@ def test_lone_surrogates_in_a_text_message_are_rejected(field):
     assert isinstance(outcome(json.dumps(data)), InvalidPayload)  # as a \ud800 escape
 
 
-
-
 @pytest.mark.parametrize(
     "signature",
-    [pytest.param(b'"\\u00e9"', id="escaped-e-acute"), pytest.param(b'"\\ud800"', id="escaped-surrogate"),
-     pytest.param('"é"'.encode(), id="utf8-e-acute"), pytest.param(b'"\xed\xa0\x80"', id="utf8-encoded-surrogate")],
+    [
+        pytest.param(b'"\\u00e9"', id="escaped-e-acute"),
+        pytest.param(b'"\\ud800"', id="escaped-surrogate"),
+        pytest.param('"é"'.encode(), id="utf8-e-acute"),
+        pytest.param(b'"\xed\xa0\x80"', id="utf8-encoded-surrogate"),
+    ],
 )
 def test_a_non_ascii_signature_is_a_bad_signature(signature):
     raw = original().to_bytes()
@@ -659,10 +725,14 @@ class Seen:
     snapshot: Any = None  # everything stored about it: terminal jobs must keep it forever
 
 
-job_params = st.fixed_dictionaries({
-    "priority": st.integers(-3, 3), "max_retries": st.integers(0, 3), "delay": st.sampled_from([None, 0, 4, 25]),
-    "backoff": st.sampled_from(sorted(BACKOFFS)),
-})
+job_params = st.fixed_dictionaries(
+    {
+        "priority": st.integers(-3, 3),
+        "max_retries": st.integers(0, 3),
+        "delay": st.sampled_from([None, 0, 4, 25]),
+        "backoff": st.sampled_from(sorted(BACKOFFS)),
+    }
+)
 
 
 # enqueue and fetch twice: a queue that fills and drains reaches more states than an empty one.
@@ -754,8 +824,13 @@ class BackendMachine(RuleBasedStateMachine):
         self.serial += 1
         options = {"backoff": BACKOFFS[backoff][0]} if BACKOFFS[backoff][0] else {}
         env = Envelope(
-            id=f"{self.serial:032x}", handler="command", payload={"n": self.serial}, queue=QUEUE,
-            priority=priority, max_retries=max_retries, options=options,
+            id=f"{self.serial:032x}",
+            handler="command",
+            payload={"n": self.serial},
+            queue=QUEUE,
+            priority=priority,
+            max_retries=max_retries,
+            options=options,
             available_at=None if delay is None else datetime.fromtimestamp(CLOCK.now + delay, tz=UTC),
         )
         env.signature = signing.sign(env)
@@ -886,9 +961,20 @@ class DatabaseMachine(BackendMachine):
     def observe(self) -> dict[str, Seen]:
         seen = {}
         # The columns a protocol operation may write (payload, signature... never change).
-        rows = Job.objects.using(self.backend.alias).filter(queue=QUEUE).values(
-            "id", "status", "attempts", "owner_token", "leased_until", "available_at", "last_error",
-            "finished_at", "updated_at",
+        rows = (
+            Job.objects.using(self.backend.alias)
+            .filter(queue=QUEUE)
+            .values(
+                "id",
+                "status",
+                "attempts",
+                "owner_token",
+                "leased_until",
+                "available_at",
+                "last_error",
+                "finished_at",
+                "updated_at",
+            )
         )
         for row in rows:
             status = row["status"]
@@ -898,7 +984,10 @@ class DatabaseMachine(BackendMachine):
             else:
                 state = {"in_progress": "leased", "completed": "done", "failed": "failed"}[status]
             seen[row["id"]] = Seen(
-                state, row["attempts"], row["owner_token"], _ts(row["leased_until"]),
+                state,
+                row["attempts"],
+                row["owner_token"],
+                _ts(row["leased_until"]),
                 _ts(row["available_at"]) if status == "pending" else None,
                 snapshot=row,
             )
@@ -959,11 +1048,15 @@ class RedisMachine(BackendMachine):
 
 
 MACHINE_SETTINGS = hypothesis_settings(
-    max_examples=30 if IN_CI else 20, stateful_step_count=30, deadline=None,
+    max_examples=30 if IN_CI else 20,
+    stateful_step_count=30,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 MACHINE_JOBS = {
-    "LEASE_TIMEOUT": LEASE, "RETRY_BACKOFF_STRATEGY": "fixed", "RETRY_BACKOFF_BASE": GLOBAL_BACKOFF,
+    "LEASE_TIMEOUT": LEASE,
+    "RETRY_BACKOFF_STRATEGY": "fixed",
+    "RETRY_BACKOFF_BASE": GLOBAL_BACKOFF,
 }
 
 
@@ -993,8 +1086,14 @@ def test_redis_backend_follows_the_model(redis_up, fake_clock):
 @pytest.mark.parametrize("first_run", ["failed", "lost"])
 def test_redis_forgets_a_job_that_succeeded_after_a_retry(redis_up, fake_clock, first_run):
     backend = get_backend("redis")
-    env = Envelope(id="b" * 32, handler="command", payload=None, queue=QUEUE, max_retries=2,
-                   options={"backoff": {"strategy": "none"}})
+    env = Envelope(
+        id="b" * 32,
+        handler="command",
+        payload=None,
+        queue=QUEUE,
+        max_retries=2,
+        options={"backoff": {"strategy": "none"}},
+    )
     env.signature = signing.sign(env)
     backend.enqueue(env)
     lease = backend.fetch(QUEUE)
@@ -1007,6 +1106,9 @@ def test_redis_forgets_a_job_that_succeeded_after_a_retry(redis_up, fake_clock, 
     assert backend.size(QUEUE) == 0
     client = backend.client
     left = {key: kind for key in backend.keys(QUEUE) if (kind := client.type(key).decode()) in ("hash", "zset")}
-    holding = [key for key, kind in left.items()
-               if (client.hexists(key, env.id) if kind == "hash" else client.zscore(key, env.id) is not None)]
+    holding = [
+        key
+        for key, kind in left.items()
+        if (client.hexists(key, env.id) if kind == "hash" else client.zscore(key, env.id) is not None)
+    ]
     assert holding == []

@@ -247,10 +247,13 @@ def test_workers_survive_a_redis_restart(postgres_up, private_redis, capsys):
     total = 200
     prefix = unique("rrestart")
     with processes() as procs:
-        jobs = {**settings.JOBS, "BACKENDS": {
-            **settings.JOBS["BACKENDS"],
-            "redis": {"ENGINE": "redis", "OPTIONS": {"URL": server.url, "PREFIX": settings.REDIS_PREFIX}},
-        }}
+        jobs = {
+            **settings.JOBS,
+            "BACKENDS": {
+                **settings.JOBS["BACKENDS"],
+                "redis": {"ENGINE": "redis", "OPTIONS": {"URL": server.url, "PREFIX": settings.REDIS_PREFIX}},
+            },
+        }
         with override_settings(JOBS=jobs):
             backend = get_backend("redis")
             assert backend.options["URL"] == server.url
@@ -314,9 +317,11 @@ def test_workers_survive_a_redis_restart(postgres_up, private_redis, capsys):
     )
     assert reaped >= len(duplicated), ("a job ran twice without a reaped lease", duplicated, reaped)
     with capsys.disabled():
-        print(f"\n[redis restart] outage {outage:.1f}s; {ran_before}/{total} jobs had run before SHUTDOWN NOSAVE; "
-              f"{reaped} lease(s) reaped after it; {len(duplicated)} job(s) ran twice because of the restart "
-              f"(in hand when Redis went away): {sorted(duplicated)}")
+        print(
+            f"\n[redis restart] outage {outage:.1f}s; {ran_before}/{total} jobs had run before SHUTDOWN NOSAVE; "
+            f"{reaped} lease(s) reaped after it; {len(duplicated)} job(s) ran twice because of the restart "
+            f"(in hand when Redis went away): {sorted(duplicated)}"
+        )
     assert len(ids) == total
 
 
@@ -547,7 +552,8 @@ def test_idempotency_on_a_django_redis_cache_skips_a_second_delivery(redis_cache
     run_key, idem = unique("ridem"), unique("idem-key")
     backend = get_backend("redis-cache")
     first, second = (
-        backend.enqueue(scripted.using(idempotency_key=idem).builder(action="ok", key=run_key).build()) for _ in range(2)
+        backend.enqueue(scripted.using(idempotency_key=idem).builder(action="ok", key=run_key).build())
+        for _ in range(2)
     )
     worker = QueueWorker("redis-cache", ["default"])
 
@@ -600,7 +606,9 @@ def test_import_without_the_redis_package_names_the_extra(monkeypatch):
 def test_wait_for_work_wakes_when_a_job_is_enqueued(raw):
     # Its own connection name, so the test can see this backend's BLPOP in CLIENT LIST.
     name = unique("djt-wait")
-    backend = RedisBackend("redis", {"URL": f"{settings.REDIS_URL}?client_name={name}", "PREFIX": settings.REDIS_PREFIX})
+    backend = RedisBackend(
+        "redis", {"URL": f"{settings.REDIS_URL}?client_name={name}", "PREFIX": settings.REDIS_PREFIX}
+    )
     try:
         k = backend.keys("default")
         assert raw.llen(k.notify) == 0
@@ -609,7 +617,8 @@ def test_wait_for_work_wakes_when_a_job_is_enqueued(raw):
         waiter.start()
         wait_until(
             lambda: any(c.get("name") == name and c.get("cmd") == "blpop" for c in raw.client_list()),
-            3, "the waiter to block in BLPOP",
+            3,
+            "the waiter to block in BLPOP",
         )
         assert waiter.is_alive()
         get_backend("redis").enqueue(scripted.using(backend="redis").builder(action="ok").build())
@@ -746,10 +755,25 @@ def test_every_script_names_its_arguments_once_in_its_header(script):
 def test_capability_flags_are_the_documented_ones():
     # native_dead_letter is False: failures stay in the `failed` set the scripts maintain, not in a
     # broker mechanism (test_purge_failed_... and the abandon tests above cover that set).
-    flags = ("supports_delay", "supports_priority", "native_lease", "native_dead_letter", "pipelines_ack_fetch",
-             "supports_retry", "persistent", "transactional", "audit_failures")
+    flags = (
+        "supports_delay",
+        "supports_priority",
+        "native_lease",
+        "native_dead_letter",
+        "pipelines_ack_fetch",
+        "supports_retry",
+        "persistent",
+        "transactional",
+        "audit_failures",
+    )
     assert {flag: getattr(RedisBackend, flag) for flag in flags} == {
-        "supports_delay": True, "supports_priority": True, "native_lease": False, "native_dead_letter": False,
-        "pipelines_ack_fetch": True, "supports_retry": True, "persistent": True, "transactional": False,
+        "supports_delay": True,
+        "supports_priority": True,
+        "native_lease": False,
+        "native_dead_letter": False,
+        "pipelines_ack_fetch": True,
+        "supports_retry": True,
+        "persistent": True,
+        "transactional": False,
         "audit_failures": True,
     }

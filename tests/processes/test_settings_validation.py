@@ -53,6 +53,7 @@ def context(payload: object) -> SimpleNamespace:
 
 # -- signing keys ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fallbacks", ["abc", b"abc"])
 def test_signing_key_fallbacks_given_as_a_str_is_refused_not_read_as_one_character_keys(fallbacks):
     env = forged("a")  # what a one-character key signs
@@ -66,8 +67,10 @@ def test_signing_key_fallbacks_given_as_a_str_is_refused_not_read_as_one_charact
 @pytest.mark.parametrize("fallbacks", [[""], [b""], ["an-old-key", ""]])
 def test_an_empty_fallback_key_is_refused(fallbacks):
     env = forged(b"")  # anyone can compute an HMAC with the empty key
-    with override_settings(JOBS={"SIGNING_KEY": REAL_KEY, "SIGNING_KEY_FALLBACKS": fallbacks}), \
-            pytest.raises(ImproperlyConfigured, match="empty"):
+    with (
+        override_settings(JOBS={"SIGNING_KEY": REAL_KEY, "SIGNING_KEY_FALLBACKS": fallbacks}),
+        pytest.raises(ImproperlyConfigured, match="empty"),
+    ):
         signing.verify(env)
 
 
@@ -85,8 +88,10 @@ def test_a_signing_key_of_the_wrong_type_is_refused():
 def test_secret_key_fallbacks_given_as_a_str_is_refused_when_keys_derive_from_them():
     derived = hashlib.sha256(b"django_jobs.signing:o").digest()  # the key an "o" fallback would derive
     env = forged(derived)
-    with override_settings(SECRET_KEY_FALLBACKS="old-secret", JOBS={"SIGNING_KEY": None}), \
-            pytest.raises(ImproperlyConfigured, match="SECRET_KEY_FALLBACKS"):
+    with (
+        override_settings(SECRET_KEY_FALLBACKS="old-secret", JOBS={"SIGNING_KEY": None}),
+        pytest.raises(ImproperlyConfigured, match="SECRET_KEY_FALLBACKS"),
+    ):
         signing.verify(env)
     # With a SIGNING_KEY of its own, django-jobs never reads them.
     with override_settings(SECRET_KEY_FALLBACKS="old-secret", JOBS={"SIGNING_KEY": REAL_KEY}):
@@ -118,17 +123,22 @@ def test_a_worker_never_runs_a_job_forged_with_a_one_character_key():
 
 # -- allowlists ----------------------------------------------------------------------------------------------
 
+
 def test_allowed_shell_commands_given_as_a_str_is_refused_not_a_substring_test(tmp_path):
     marker = tmp_path / "ran"
-    with override_settings(JOBS={"ALLOWED_SHELL_COMMANDS": "sh -c"}), \
-            pytest.raises(ImproperlyConfigured, match="ALLOWED_SHELL_COMMANDS"):
+    with (
+        override_settings(JOBS={"ALLOWED_SHELL_COMMANDS": "sh -c"}),
+        pytest.raises(ImproperlyConfigured, match="ALLOWED_SHELL_COMMANDS"),
+    ):
         ShellHandler().handle(context(["sh", "-c", f"touch {marker}"]))
     assert not marker.exists()
 
 
 def test_queue_handlers_given_as_a_str_is_refused_not_a_substring_test():
-    with override_settings(JOBS={"QUEUE_HANDLERS": {"default": "shell command"}}), \
-            pytest.raises(ImproperlyConfigured, match="QUEUE_HANDLERS"):
+    with (
+        override_settings(JOBS={"QUEUE_HANDLERS": {"default": "shell command"}}),
+        pytest.raises(ImproperlyConfigured, match="QUEUE_HANDLERS"),
+    ):
         registry.resolve("shell", "default")
     with override_settings(JOBS={"QUEUE_HANDLERS": ["default"]}), pytest.raises(ImproperlyConfigured):
         registry.resolve("shell", "default")
@@ -140,17 +150,23 @@ def test_queue_handlers_given_as_a_str_is_refused_not_a_substring_test():
 
 # -- the command handler: deny by default ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("payload", ["clearsessions", ["flush", "--no-input"], {"name": "flush"}])
 def test_command_handler_runs_nothing_by_default(payload):
-    with override_settings(JOBS={}), mock.patch("django_jobs.handlers.call_command") as called, \
-            pytest.raises(HandlerNotAllowed, match="ALLOWED_COMMANDS"):
+    with (
+        override_settings(JOBS={}),
+        mock.patch("django_jobs.handlers.call_command") as called,
+        pytest.raises(HandlerNotAllowed, match="ALLOWED_COMMANDS"),
+    ):
         CommandHandler().handle(context(payload))
     called.assert_not_called()
 
 
 def test_command_handler_runs_only_the_allowed_commands():
-    with override_settings(JOBS={"ALLOWED_COMMANDS": ["clearsessions"]}), \
-            mock.patch("django_jobs.handlers.call_command") as called:
+    with (
+        override_settings(JOBS={"ALLOWED_COMMANDS": ["clearsessions"]}),
+        mock.patch("django_jobs.handlers.call_command") as called,
+    ):
         CommandHandler().handle(context(["clearsessions", "--verbosity", "0"]))
         called.assert_called_once_with("clearsessions", "--verbosity", "0")
         with pytest.raises(HandlerNotAllowed, match="'flush'"):
@@ -161,9 +177,11 @@ def test_command_handler_runs_only_the_allowed_commands():
 
 
 def test_allowed_commands_given_as_a_str_is_refused():
-    with override_settings(JOBS={"ALLOWED_COMMANDS": "clearsessions"}), \
-            mock.patch("django_jobs.handlers.call_command") as called, \
-            pytest.raises(ImproperlyConfigured, match="ALLOWED_COMMANDS"):
+    with (
+        override_settings(JOBS={"ALLOWED_COMMANDS": "clearsessions"}),
+        mock.patch("django_jobs.handlers.call_command") as called,
+        pytest.raises(ImproperlyConfigured, match="ALLOWED_COMMANDS"),
+    ):
         CommandHandler().handle(context("clear"))
     called.assert_not_called()
 
@@ -184,10 +202,13 @@ def test_a_command_job_not_allowed_is_dead_lettered_without_running():
 
 # -- other settings a str would turn into characters --------------------------------------------------------
 
+
 def test_queues_given_as_a_str_is_refused_not_read_as_queue_d():
-    with override_settings(JOBS={"QUEUES": "default"}), \
-            mock.patch.object(WorkerPool, "install_signal_handlers"), \
-            mock.patch.object(WorkerPool, "run", side_effect=AssertionError("a worker started on queue 'd'")):
+    with (
+        override_settings(JOBS={"QUEUES": "default"}),
+        mock.patch.object(WorkerPool, "install_signal_handlers"),
+        mock.patch.object(WorkerPool, "run", side_effect=AssertionError("a worker started on queue 'd'")),
+    ):
         with pytest.raises(ImproperlyConfigured, match="QUEUES"):
             conf.queues()
         with pytest.raises(CommandError, match="QUEUES"):
@@ -200,8 +221,10 @@ def test_imports_given_as_a_str_is_refused():
 
 
 def test_handlers_of_the_wrong_type_is_improperly_configured():
-    with override_settings(JOBS={"HANDLERS": ["tests.api_support.GiveUpHandler"]}), \
-            pytest.raises(ImproperlyConfigured, match="HANDLERS"):
+    with (
+        override_settings(JOBS={"HANDLERS": ["tests.api_support.GiveUpHandler"]}),
+        pytest.raises(ImproperlyConfigured, match="HANDLERS"),
+    ):
         conf.handlers()
 
 
@@ -212,6 +235,7 @@ def test_jobs_that_is_not_a_dict_is_improperly_configured(value):
 
 
 # -- real jobs_work processes -----------------------------------------------------------------------------------
+
 
 def test_jobs_work_with_an_unknown_backend_exits_at_once_with_one_line():
     with processes() as procs:
@@ -243,12 +267,14 @@ class BrokenBackend:
 
 def test_supervisor_gives_up_when_worker_processes_keep_dying_at_start_up(tmp_path: Path):
     (tmp_path / "broken_settings.py").write_text(BROKEN_SETTINGS)
-    env = worker_env(DJANGO_SETTINGS_MODULE="broken_settings",
-                     PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO_ROOT)]))
+    env = worker_env(
+        DJANGO_SETTINGS_MODULE="broken_settings", PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO_ROOT)])
+    )
     with processes() as procs:
         start = time.monotonic()
-        code, proc = procs.run("jobs_work", "--backend", "broken", "--concurrency", "2", "--max-time", "120",
-                               env=env, timeout=40)
+        code, proc = procs.run(
+            "jobs_work", "--backend", "broken", "--concurrency", "2", "--max-time", "120", env=env, timeout=40
+        )
         took = time.monotonic() - start
     assert code == 1, proc.output()
     proc.wait_started(timeout=0)  # it did start: the deaths happened in the forked processes

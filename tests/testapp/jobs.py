@@ -18,8 +18,14 @@ def _record(key: str | None, db: str) -> None:
 
 
 @job(queue="default")
-def scripted(action: str = "ok", key: str | None = None, db: str = "default", seconds: float = 0,
-             fail_times: int = 0, **payload: object) -> str:
+def scripted(
+    action: str = "ok",
+    key: str | None = None,
+    db: str = "default",
+    seconds: float = 0,
+    fail_times: int = 0,
+    **payload: object,
+) -> str:
     """ok | raise | flaky (raise until ``fail_times`` runs recorded) | exit | hang | hang_masked | sleep
     | fork (a child that unwinds out of the job with sys.exit) | bad_str (an error whose str() raises)
     | interrupt (KeyboardInterrupt from the job's own code). ``payload`` is carried and ignored

@@ -76,8 +76,7 @@ def test_failed_job_round_trip_through_the_admin(superuser_client):
 def test_retry_action_leaves_jobs_that_are_not_failed_alone(superuser_client):
     done = scripted.dispatch(action="ok")
     QueueWorker("default").process_once()
-    response = superuser_client.post(
-        reverse(CHANGELIST), {"action": "retry", "_selected_action": [done]}, follow=True)
+    response = superuser_client.post(reverse(CHANGELIST), {"action": "retry", "_selected_action": [done]}, follow=True)
     assert Job.objects.get(pk=done).status == "completed"
     texts = [str(m) for m in response.context["messages"]]
     assert "Requeued 0 job(s)." in texts
@@ -89,7 +88,8 @@ def test_retry_action_on_a_job_of_a_removed_backend_reports_an_error(superuser_c
     QueueWorker("default").process_once()
     Job.objects.filter(pk=job_id).update(backend="removed")  # its backend was since removed from settings
     response = superuser_client.post(
-        reverse(CHANGELIST), {"action": "retry", "_selected_action": [job_id]}, follow=True)
+        reverse(CHANGELIST), {"action": "retry", "_selected_action": [job_id]}, follow=True
+    )
     assert response.status_code == 200
     assert Job.objects.get(pk=job_id).status == "failed"
     assert any("removed" in str(m) for m in response.context["messages"])
@@ -99,7 +99,8 @@ def test_delete_action(superuser_client):
     keep = scripted.dispatch(action="ok")
     gone = scripted.dispatch(action="ok")
     response = superuser_client.post(
-        reverse(CHANGELIST), {"action": "delete_selected", "_selected_action": [gone], "post": "yes"})
+        reverse(CHANGELIST), {"action": "delete_selected", "_selected_action": [gone], "post": "yes"}
+    )
     assert response.status_code == 302
     assert list(Job.objects.values_list("pk", flat=True)) == [keep]
 
@@ -118,7 +119,10 @@ def test_filters_for_status_queue_handler_and_backend(superuser_client):
     assert listed_ids(superuser_client.get(reverse(CHANGELIST), {"handler__exact": "command"})) == {command}
     assert listed_ids(superuser_client.get(reverse(CHANGELIST), {"backend__exact": "elsewhere"})) == {plain}
     assert listed_ids(superuser_client.get(reverse(CHANGELIST), {"status__exact": "pending"})) == {
-        on_other, command, plain}
+        on_other,
+        command,
+        plain,
+    }
 
 
 def test_search_finds_a_job_by_id(superuser_client):

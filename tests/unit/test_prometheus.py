@@ -26,7 +26,7 @@ def test_worker_metrics_reach_a_prometheus_registry():
     assert sample("jobs_failed_permanently_total", {"queue": "default"}) == 1
     assert sample("jobs_fetched_total", {"queue": "default"}) == 2
     assert sample("jobs_exec_seconds_count", {"queue": "default"}) == 2
-    assert ("jobs_succeeded_total" in collector.snapshot())
+    assert "jobs_succeeded_total" in collector.snapshot()
 
 
 def test_collector_is_selected_by_setting():

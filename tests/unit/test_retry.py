@@ -268,9 +268,16 @@ def test_check_delay_accepts_finite_delays_up_to_a_year(value):
 @pytest.mark.parametrize(
     ("value", "error"),
     [
-        (-1, ValueError), (MAX_DELAY_SECONDS + 1, ValueError), (1e14, ValueError), (10**400, ValueError),
-        (float("inf"), ValueError), (float("-inf"), ValueError), (float("nan"), ValueError),
-        (True, TypeError), ("30", TypeError), (None, TypeError),
+        (-1, ValueError),
+        (MAX_DELAY_SECONDS + 1, ValueError),
+        (1e14, ValueError),
+        (10**400, ValueError),
+        (float("inf"), ValueError),
+        (float("-inf"), ValueError),
+        (float("nan"), ValueError),
+        (True, TypeError),
+        ("30", TypeError),
+        (None, TypeError),
     ],
 )
 def test_check_delay_refuses_the_rest(value, error):
@@ -280,8 +287,16 @@ def test_check_delay_refuses_the_rest(value, error):
 
 @pytest.mark.parametrize(
     ("value", "clamped"),
-    [(-5, 0.0), (float("nan"), 0.0), ("x", 0.0), (None, 0.0), (float("inf"), MAX_DELAY_SECONDS),
-     (10**400, MAX_DELAY_SECONDS), (-(10**400), 0.0), (12.5, 12.5)],
+    [
+        (-5, 0.0),
+        (float("nan"), 0.0),
+        ("x", 0.0),
+        (None, 0.0),
+        (float("inf"), MAX_DELAY_SECONDS),
+        (10**400, MAX_DELAY_SECONDS),
+        (-(10**400), 0.0),
+        (12.5, 12.5),
+    ],
 )
 def test_clamp_delay(value, clamped):
     assert clamp_delay(value) == clamped
@@ -303,8 +318,12 @@ def test_dispatch_refuses_delays_and_backoffs_beyond_a_year_and_accepts_up_to_it
         builder.scheduled_at(timezone.now() + timedelta(days=366))
     with pytest.raises(ValueError, match="delay"):  # options() checks at build()
         Jobs.define("command", "check").options(delay=1e14).build()
-    env = (Jobs.define("command", "check").backoff(strategy="fixed", base=MAX_DELAY_SECONDS, max=MAX_DELAY_SECONDS)
-           .delay(timedelta(days=365)).build())
+    env = (
+        Jobs.define("command", "check")
+        .backoff(strategy="fixed", base=MAX_DELAY_SECONDS, max=MAX_DELAY_SECONDS)
+        .delay(timedelta(days=365))
+        .build()
+    )
     assert env.options["backoff"]["base"] == MAX_DELAY_SECONDS
     past = timezone.now() - timedelta(days=3650)
     assert Jobs.define("command", "check").scheduled_at(past).build().available_at == past  # due at once

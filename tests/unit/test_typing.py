@@ -17,7 +17,7 @@ from tests.procs import REPO_ROOT
 
 mypy_api = pytest.importorskip("mypy.api")
 
-GOOD = '''
+GOOD = """
 from datetime import timedelta
 
 from django_jobs import Jobs, job
@@ -44,9 +44,9 @@ builder: JobBuilder = add.builder(1, y=2)
 ids: list[str] = Jobs.bulk([builder, send_welcome.using(queue="emails").builder(user_id=1)])
 options: JobOptions = {"queue": "emails", "single_instance": True}
 chained: JobBuilder = Jobs.define("command", "clearsessions").max_retries(2).options(**options)
-'''
+"""
 
-BAD = '''
+BAD = """
 from django_jobs import Jobs, job
 
 
@@ -74,7 +74,7 @@ send_welcome.using().dispatch(user_id=None)  # E: arg-type
 send_welcome.builder("7")  # E: arg-type
 text: str = count(7)  # E: assignment
 Jobs.define("command").options(max_retries="3")  # E: arg-type
-'''
+"""
 
 ERROR = re.compile(r"^(?P<file>[^:]+\.py):(?P<line>\d+): error: .*\[(?P<code>[a-z-]+)\]$")
 
@@ -86,11 +86,18 @@ def reported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, se
     for name, text in (("good", GOOD), ("bad", BAD)):
         (folder / f"{name}.py").write_text(textwrap.dedent(text))
     args = [
-        str(folder / "good.py"), str(folder / "bad.py"),
-        "--config-file", str(REPO_ROOT / "pyproject.toml"),
-        "--cache-dir", str(folder / ".mypy_cache"),
-        "--follow-imports", "silent",  # the package's own errors are the package check's business
-        "--hide-error-context", "--no-pretty", "--no-error-summary", "--show-error-codes",
+        str(folder / "good.py"),
+        str(folder / "bad.py"),
+        "--config-file",
+        str(REPO_ROOT / "pyproject.toml"),
+        "--cache-dir",
+        str(folder / ".mypy_cache"),
+        "--follow-imports",
+        "silent",  # the package's own errors are the package check's business
+        "--hide-error-context",
+        "--no-pretty",
+        "--no-error-summary",
+        "--show-error-codes",
     ]
     # The package is installed in editable mode through an import hook mypy cannot follow.
     with pytest.MonkeyPatch.context() as patch:
@@ -128,7 +135,21 @@ def test_wrong_arguments_and_unknown_options_are_reported(reported):
 def test_job_options_name_every_option_the_runtime_accepts():
     from django_jobs.api import OPTION_NAMES, JobOptions
 
-    assert set(OPTION_NAMES) == set(JobOptions.__annotations__) == {
-        "queue", "priority", "max_retries", "timeout", "delay", "scheduled_at", "idempotency_key",
-        "name", "backend", "backoff", "retry_on", "single_instance",
-    }
+    assert (
+        set(OPTION_NAMES)
+        == set(JobOptions.__annotations__)
+        == {
+            "queue",
+            "priority",
+            "max_retries",
+            "timeout",
+            "delay",
+            "scheduled_at",
+            "idempotency_key",
+            "name",
+            "backend",
+            "backoff",
+            "retry_on",
+            "single_instance",
+        }
+    )

@@ -54,13 +54,16 @@ private_ok = override_settings(JOBS={**settings.JOBS, "URL_ALLOW_PRIVATE_NETWORK
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("url", [
-    "http://127.0.0.1:1/",  # loopback
-    "http://10.0.0.1/",  # private
-    "http://169.254.169.254/latest/meta-data/",  # link-local (cloud metadata)
-    "http://[::1]/",  # IPv6 loopback
-    "http://localhost/",  # a name resolving to loopback is refused after resolution
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:1/",  # loopback
+        "http://10.0.0.1/",  # private
+        "http://169.254.169.254/latest/meta-data/",  # link-local (cloud metadata)
+        "http://[::1]/",  # IPv6 loopback
+        "http://localhost/",  # a name resolving to loopback is refused after resolution
+    ],
+)
 def test_non_public_targets_are_refused_without_a_request(url, server):
     status, row = _run(url)
     assert status == "dead-lettered"
