@@ -37,7 +37,7 @@ def session_test_database() -> str:
     session (``JOBS_TEST_PG_TEST_NAME``, which the subprocesses inherit)."""
     from django.conf import settings
 
-    return settings.DATABASES["postgres"]["TEST"]["NAME"]
+    return str(settings.DATABASES["postgres"]["TEST"]["NAME"])
 
 
 class PostgresForTests:

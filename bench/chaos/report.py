@@ -134,7 +134,22 @@ def rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                 "soak: duration; max rate; target (70 %)",
                 f"{k['seconds']:g} s; {k['max_rate_jobs_per_s']} jobs/s; {k['target_jobs_per_s']} jobs/s",
             ),
-            ("soak: throughput per 10 s window: mean; CV", f"{k['throughput_mean']} jobs/s; {k['throughput_cv']}"),
+            (
+                "soak: throughput per 10 s window: mean; CV; min-max",
+                (
+                    f"{k['throughput_mean']} jobs/s; {k['throughput_cv']}; "
+                    f"{min(k['throughput_per_window'], default=0)}-{max(k['throughput_per_window'], default=0)}"
+                ),
+            ),
+            (
+                "soak: backlog max; machine load average (1 min) min-max",
+                f"{max(k['backlog_samples'], default=0)}; "
+                + (
+                    f"{min(k['loadavg_samples'])}-{max(k['loadavg_samples'])}"
+                    if k.get("loadavg_samples")
+                    else "not sampled"
+                ),
+            ),
             (
                 "soak: worker RSS first -> growth",
                 f"{min(first) // 1024}-{max(first) // 1024} MiB -> +{min(growth)}..+{max(growth)} KiB"
@@ -163,7 +178,10 @@ def rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             log = ph["worker_log"]
             out += [
                 (f"dbrestart {name}: **jobs lost**", f"**{ph['lost']}** of {ph['jobs']}"),
-                (f"dbrestart {name}: duplicate runs (cause)", f"{ph['duplicate_runs']} ({causes})"),
+                (
+                    f"dbrestart {name}: extra runs; jobs that ran more than once, by cause",
+                    f"{ph['duplicate_runs']}; {sum(ph['duplicates_by_cause'].values())} ({causes})",
+                ),
                 (
                     f"dbrestart {name}: **completed work recorded failed**",
                     f"**{ph['completed_work_recorded_failed']}**",

@@ -894,6 +894,7 @@ def soak(ctx: Context) -> dict[str, Any]:
         "worker_rss": rss,
         "pg_connections": {"min": min(conns), "max": max(conns), "samples": conns} if conns else None,
         "backlog_samples": [s["backlog"] for s in samples],
+        "loadavg_samples": [s["loadavg_1m"] for s in samples],
         "backlog_at_end_of_production": backlog_at_end,
         "drained": drained,
         "final_backlog": final_backlog,
@@ -910,7 +911,13 @@ def _soak_sample(ctx: Context, fleet: Fleet, t: float) -> dict[str, Any]:
             value = rss_kb(pid)
             if value is not None:
                 rss[pid] = value
-    return {"t": round(t, 1), "rss_kb": rss, "pg_connections": pg_connections(), "backlog": ctx.probe.backlog()}
+    return {
+        "t": round(t, 1),
+        "rss_kb": rss,
+        "pg_connections": pg_connections(),
+        "backlog": ctx.probe.backlog(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),  # the machine's load: other work shows here
+    }
 
 
 from .dbrestart import dbrestart  # it uses the helpers above: imported last
