@@ -10,9 +10,11 @@ claimed in ``last_error``, and the admin's retry refuses it (its signature does 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
+from django.db import connections, router
 from django.utils import timezone
 
 from . import signing
@@ -25,40 +27,55 @@ logger = logging.getLogger("django_jobs.audit")
 
 def record_failure(envelope: Envelope, error: str, backend: str, attempts: int, queue: str | None = None) -> None:
     """Keep a failed ``Job`` copy of ``envelope``, delivered on ``queue`` (default: the queue it
-    names). Never raises: the backend already settled it."""
-    now = timezone.now()
-    try:
-        fields: dict[str, Any] = {
-            **envelope_columns(envelope),
-            "status": JobStatus.FAILED,
-            "attempts": attempts,
-            "last_error": error,
-            "finished_at": now,
-            "updated_at": now,
-            "backend": backend,
-            "owner_token": None,
-            "leased_until": None,
-        }
-        reason = _untrusted(envelope, backend, queue or envelope.queue)
-        if reason is None:
-            Job.objects.update_or_create(id=envelope.id, defaults=fields)
+    names). Never raises: the backend already settled it.
+
+    A broker's worker touches the database only here, so a connection broken by a database
+    restart would fail every later record: a failed write closes it and tries once more on a
+    fresh one (outside a transaction)."""
+    for last_try in (False, True):
+        try:
+            _record(envelope, error, backend, attempts, queue)
             return
-        # Its own record: the fields are the message's as received, for audit, and the id it
-        # claimed is only quoted. The signature was made (if at all) over another id, so this
-        # row never verifies, and the admin's retry refuses it.
-        fields["last_error"] = (
-            f"{error}\n\nNot the record of job {envelope.id!r}: {reason}. This is the message as "
-            f"received, kept under a new id for audit; it cannot be retried."
-        )
-        Job.objects.create(id=new_id(), created_at=now, **_fitted(fields))
-        logger.warning(
-            "an unverified message claiming job id %r (%s) was recorded as a new failed row: %s",
-            envelope.id,
-            backend,
-            reason,
-        )
-    except Exception:
-        logger.exception("could not record the failure of job %r (%s) for the admin", envelope.id, backend)
+        except Exception:
+            connection = connections[router.db_for_write(Job)]
+            if last_try or connection.in_atomic_block:
+                logger.exception("could not record the failure of job %r (%s) for the admin", envelope.id, backend)
+                return
+            with contextlib.suppress(Exception):  # it is broken: closing may fail too
+                connection.close()
+
+
+def _record(envelope: Envelope, error: str, backend: str, attempts: int, queue: str | None) -> None:
+    now = timezone.now()
+    fields: dict[str, Any] = {
+        **envelope_columns(envelope),
+        "status": JobStatus.FAILED,
+        "attempts": attempts,
+        "last_error": error,
+        "finished_at": now,
+        "updated_at": now,
+        "backend": backend,
+        "owner_token": None,
+        "leased_until": None,
+    }
+    reason = _untrusted(envelope, backend, queue or envelope.queue)
+    if reason is None:
+        Job.objects.update_or_create(id=envelope.id, defaults=fields)
+        return
+    # Its own record: the fields are the message's as received, for audit, and the id it
+    # claimed is only quoted. The signature was made (if at all) over another id, so this
+    # row never verifies, and the admin's retry refuses it.
+    fields["last_error"] = (
+        f"{error}\n\nNot the record of job {envelope.id!r}: {reason}. This is the message as "
+        f"received, kept under a new id for audit; it cannot be retried."
+    )
+    Job.objects.create(id=new_id(), created_at=now, **_fitted(fields))
+    logger.warning(
+        "an unverified message claiming job id %r (%s) was recorded as a new failed row: %s",
+        envelope.id,
+        backend,
+        reason,
+    )
 
 
 def _fitted(fields: dict[str, Any]) -> dict[str, Any]:

@@ -50,7 +50,8 @@ _P = ParamSpec("_P")
 PERMANENT_ERRORS = (BadSignature, HandlerNotAllowed, InvalidPayload)
 MAX_ERROR_CHARS = 20_000
 # Pauses between tries of a settle that hit a transient backend error (then it gives up).
-SETTLE_RETRY_PAUSES = (0.2, 1.0, 3.0)
+# The first retry is at once, on the fresh connection reset_connection() leaves.
+SETTLE_RETRY_PAUSES = (0.0, 1.0, 3.0)
 
 
 class Outcome(StrEnum):
@@ -160,6 +161,8 @@ class DeliveryPipeline:
         registry.autodiscover()  # @job handlers register on import; cheap once imported
         # How a success is acked: the run loop swaps in an ack that also leases the next job.
         self.ack: Callable[[Lease], None] = backend.ack
+        # Told when a settle hit a backend error (the run loop holds its reaping back then).
+        self.on_backend_error: Callable[[], None] | None = None
 
     # -- the pipeline --
 
@@ -373,8 +376,10 @@ class DeliveryPipeline:
             except LeaseLost:
                 raise
             except Exception:
-                logger.warning("settle failed; retrying in %ss", pause, exc_info=True)
+                logger.warning("settle failed; retrying in %gs", pause, exc_info=True)
                 self.backend.reset_connection()
+                if self.on_backend_error is not None:
+                    self.on_backend_error()
                 time.sleep(pause)
         return action(*args, **kwargs)
 

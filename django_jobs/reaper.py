@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from . import signing
+from . import conf, signing
 from .backends import get_backend
 from .backends.base import Lease, QueueBackend
 from .envelope import Envelope
@@ -18,15 +18,30 @@ logger = logging.getLogger("django_jobs.reaper")
 
 
 class Reaper:
-    """Calls ``reap_expired`` for each queue (every queue when ``queues`` is empty)."""
+    """Calls ``reap_expired`` for each queue (every queue when ``queues`` is empty).
+
+    After the backend was unreachable, leases that expired during the outage may belong to live
+    workers whose heartbeats could not get through either: for one lease timeout after the last
+    backend error this reaper reaps nothing, so those workers' next beats reach the backend
+    first. (A crashed worker's job is recovered one lease timeout later than otherwise.)
+    """
 
     def __init__(self, backend: QueueBackend | str | None = None, queues: Sequence[str] = ()) -> None:
         self.backend = get_backend(backend) if backend is None or isinstance(backend, str) else backend
         self.queues = list(queues)
         self.metrics: MetricsCollector = get_collector()
+        self.grace = float(conf.get("LEASE_TIMEOUT"))
+        self._quiet_until = 0.0
+
+    def backend_failed(self) -> None:
+        """The backend was just unreachable (for this process): hold reaping for a lease timeout."""
+        self._quiet_until = time.monotonic() + self.grace
 
     def reap_once(self) -> int:
-        """Recover every expired lease now; return how many were recovered."""
+        """Recover every expired lease now; return how many were recovered (0 during the
+        grace that follows a backend error)."""
+        if time.monotonic() < self._quiet_until:
+            return 0
         total = 0
         targets: list[str | None] = list(self.queues) or [None]
         for queue in targets:
@@ -44,6 +59,7 @@ class Reaper:
                 self.reap_once()
             except Exception:
                 logger.exception("reaper: backend error")
+                self.backend_failed()
                 self.backend.close()
             end = time.monotonic() + interval
             while not should_stop() and time.monotonic() < end:

@@ -155,6 +155,7 @@ class QueueWorker:
         reaper = Reaper(self.backend, self.queues) if reap else None
         if reaper is not None:
             reaper.metrics = self.metrics
+            self.pipeline.on_backend_error = reaper.backend_failed
         next_reap = time.monotonic() if reaper else math.inf
         outages = 0
         if self.backend.pipelines_ack_fetch:
@@ -169,6 +170,8 @@ class QueueWorker:
                     result = self.process_once()
                 except Exception:  # noqa: BLE001 - logged by _outage: the backend is unreachable
                     limits.give_back()
+                    if reaper is not None:
+                        reaper.backend_failed()
                     outages += 1
                     self._outage(outages, limits.deadline)
                     continue
@@ -186,6 +189,7 @@ class QueueWorker:
                     break
         finally:
             self.pipeline.ack = self.backend.ack
+            self.pipeline.on_backend_error = None
             if self._ahead is not None:
                 self._release_ahead()
                 limits.give_back()

@@ -147,3 +147,45 @@ def test_the_message_cap_applies_to_the_whole_envelope_at_dispatch():
         pytest.raises(InvalidPayload, match="message of"),
     ):
         Jobs.define("command", "x" * 300).build()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failure_record_survives_a_connection_broken_under_it():
+    """A broker's worker touches the database only to record failures: a connection broken by
+    a database restart must not lose that record, nor every later one."""
+    from django.db import connection
+
+    from django_jobs.audit import record_failure
+
+    env = scripted.using(backend="redis").builder(action="raise").build()
+    connection.ensure_connection()
+    connection.connection.close()  # the driver's connection dies; Django does not know yet
+
+    record_failure(env, "RuntimeError: boom", "redis", 1)
+
+    row = Job.objects.get(pk=env.id)
+    assert (row.status, row.backend, row.last_error) == ("failed", "redis", "RuntimeError: boom")
+
+
+@pytest.mark.django_db
+def test_the_reaper_holds_back_for_a_lease_after_a_backend_error():
+    """Leases that expired while the backend was unreachable may belong to live workers whose
+    beats could not get through either: they get one lease timeout to beat again."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from django_jobs.reaper import Reaper
+
+    job_id = scripted.dispatch(action="ok")
+    Job.objects.filter(pk=job_id).update(
+        status="in_progress", owner_token="gone", leased_until=timezone.now() - timedelta(seconds=5)
+    )
+    reaper = Reaper("default")
+    reaper.grace = 0.3
+    reaper.backend_failed()
+    assert reaper.reap_once() == 0
+    assert Job.objects.get(pk=job_id).status == "in_progress"
+    time.sleep(0.35)
+    assert reaper.reap_once() == 1
+    assert Job.objects.get(pk=job_id).last_error.startswith("WorkerLost")
