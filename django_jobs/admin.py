@@ -75,6 +75,8 @@ class JobAdmin(admin.ModelAdmin):
         outcome = operations.retry_jobs(queryset)
         for error in outcome.errors:
             self.message_user(request, error, messages.ERROR)
+        for note in outcome.notes:
+            self.message_user(request, note, messages.INFO)
         skipped = queryset.count() - outcome.retried - len(outcome.errors)
         self.message_user(request, f"Requeued {outcome.retried} job(s).", messages.SUCCESS)
         if skipped > 0:

@@ -180,6 +180,15 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
             errors.append(_error(f"SECRET_KEY_FALLBACKS {problem}", "E011", obj="settings.SECRET_KEY_FALLBACKS"))
     for related in (_backends_and_engines, _strategy, _queues, _cache, _handlers_and_queues):
         errors += related(bad)
+    if "SCHEDULE" not in bad and conf.get("SCHEDULE"):
+        errors.append(
+            checks.Warning(
+                "JOBS['SCHEDULE'] is not used yet: periodic jobs are planned, and no job in it is dispatched",
+                hint="dispatch periodic jobs from cron or a timer (manage.py shell -c ...) until jobs_schedule exists",
+                obj="settings.JOBS",
+                id="django_jobs.W002",
+            )
+        )
     return errors
 
 

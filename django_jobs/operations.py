@@ -84,6 +84,7 @@ def purge(status: str, queue: str | None = None, before: timedelta | None = None
 class RetryOutcome:
     retried: int = 0
     errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # worth telling, not a failure
 
 
 def retry_by_id(ids: list[str] | None, queue: str | None = None) -> RetryOutcome:
@@ -98,6 +99,7 @@ def retry_by_id(ids: list[str] | None, queue: str | None = None) -> RetryOutcome
         more = retry_jobs(jobs)
         outcome.retried += more.retried
         outcome.errors += more.errors
+        outcome.notes += [note for note in more.notes if note not in outcome.notes]
     return outcome
 
 
@@ -144,6 +146,13 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
             # recorded a new failure (sync) has changed updated_at, and that record stays.
             Job.objects.using(row._state.db).filter(pk=row.pk, updated_at=row.updated_at).delete()
             outcome.retried += 1
+            if backend.native_dead_letter:
+                note = (
+                    f"backend {backend.name!r} keeps its own dead-lettered copy of each retried job "
+                    "until `jobs_purge --status failed` removes it"
+                )
+                if note not in outcome.notes:
+                    outcome.notes.append(note)
     return outcome
 
 

@@ -41,7 +41,8 @@ class QueueBackend(ABC):
     supports_priority: bool = False
     # The broker expires leases itself; reap_expired() has nothing to do.
     native_lease: bool = False
-    # abandon() uses the broker's own dead-letter mechanism.
+    # abandon() uses the broker's own dead-letter mechanism, which keeps its copy of a failed
+    # job even after the job is retried (the admin and jobs_retry say so).
     native_dead_letter: bool = False
     # ack_and_fetch() settles one message and leases the next in a single round trip.
     pipelines_ack_fetch: bool = False

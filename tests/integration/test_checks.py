@@ -361,3 +361,16 @@ def test_manage_py_check_reports_settings_that_weaken_security():
     ):
         call_command("check")
     assert "ALLOWED_SHELL_COMMANDS" in str(info.value)
+
+
+def test_a_schedule_is_reported_as_not_used_yet():
+    from django.conf import settings
+    from django.test import override_settings
+
+    from django_jobs.checks import check_settings
+
+    schedule = {"nightly": {"job": "x", "cron": "0 3 * * *"}}
+    with override_settings(JOBS={**settings.JOBS, "SCHEDULE": schedule}):
+        assert [m.id for m in check_settings()] == ["django_jobs.W002"]
+    with override_settings(JOBS={**settings.JOBS, "SCHEDULE": {}}):
+        assert check_settings() == []

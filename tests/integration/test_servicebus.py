@@ -729,3 +729,19 @@ def test_capability_flags():
     assert (ServiceBusBackend.native_lease, ServiceBusBackend.native_dead_letter) == (True, True)
     assert (ServiceBusBackend.supports_delay, ServiceBusBackend.supports_priority) == (True, False)
     assert ServiceBusBackend.persistent and not ServiceBusBackend.transactional
+
+
+def test_a_retry_says_that_the_brokers_dead_letter_copy_stays(ns, backend):
+    # Service Bus keeps its dead-lettered message (native_dead_letter): retrying the failed Job
+    # row sends a fresh copy, and the operator is told the old one stays until purged.
+    from django_jobs.operations import retry_jobs
+
+    env = send(backend, action="raise", max_retries=0)
+    assert QueueWorker(backend, ["default"]).process_once().status == "dead-lettered"
+
+    outcome = retry_jobs(Job.objects.filter(pk=env.id))
+
+    assert outcome.retried == 1 and outcome.errors == []
+    assert len(outcome.notes) == 1 and "'servicebus' keeps its own dead-lettered copy" in outcome.notes[0]
+    assert len(ns.dead_letters(ENTITY)) == 1
+    assert retry_jobs(Job.objects.none()).notes == []

@@ -21,4 +21,6 @@ class Command(BaseCommand):
         outcome = operations.retry_by_id(opts["ids"] or None, opts["queue"])
         for error in outcome.errors:
             self.stderr.write(error)
+        for note in outcome.notes:
+            self.stdout.write(f"note: {note}")
         self.stdout.write(f"retried {outcome.retried} job(s)")
