@@ -2,7 +2,7 @@
 """The chaos battery (issue 5): crash recovery, poison jobs, a tamper flood, graceful shutdown
 and a soak, against real ``jobs_work`` processes on one backend. Prints JSON on stdout.
 
-    python bench/chaos.py --backend postgres|redis|beanstalk \\
+    python bench/chaos_battery.py --backend postgres|redis|beanstalk \\
         --scenario crash|poison|tamper|shutdown|soak|dbrestart|all[,...] [--jobs N] [--seconds S] [--short]
 
 What it sets up (and tears down):
@@ -42,9 +42,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-# `python bench/chaos.py` puts bench/ first on sys.path, where `chaos` would be this file: import
-# bench.chaos.* (and django_jobs) from the repository root instead.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+# Run as a script: import bench.chaos.* and django_jobs from the repository root.
 sys.path.insert(0, str(REPO))
 
 ORDER = ("crash", "poison", "tamper", "shutdown", "soak", "dbrestart")
@@ -134,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": args.backend,
         "short": args.short,
         "seed": seed,
-        "command": " ".join(["python", "bench/chaos.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python", "bench/chaos_battery.py", *(argv or sys.argv[1:])]),
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_before": os.getloadavg()},
         "workdir": str(workdir),
@@ -284,7 +282,7 @@ def _run_from_snapshot(rev: str, argv: list[str]) -> int:
             if arg.startswith("--code="):
                 continue
             rest.append(arg)
-        return subprocess.run([sys.executable, str(dest / "bench" / "chaos.py"), *rest], check=False).returncode
+        return subprocess.run([sys.executable, str(dest / "bench" / "chaos_battery.py"), *rest], check=False).returncode
     finally:
         shutil.rmtree(dest, ignore_errors=True)
 

@@ -1,1 +1,1 @@
-"""The chaos battery's helpers (bench/chaos.py is the entry point)."""
+"""The chaos battery's helpers (bench/chaos_battery.py is the entry point)."""

@@ -1,4 +1,4 @@
-"""Markdown tables from bench/chaos.py JSON reports (for docs/reliability.md).
+"""Markdown tables from bench/chaos_battery.py JSON reports (for docs/reliability.md).
 
     python -m bench.chaos.report /tmp/chaos-postgres.json [more.json ...]
 

@@ -1,4 +1,4 @@
-"""Django settings for the chaos battery (bench/chaos.py). Everything comes from CHAOS_* variables,
+"""Django settings for the chaos battery (bench/chaos_battery.py). Everything comes from CHAOS_* variables,
 which the driver sets for itself and passes to every ``jobs_work`` subprocess:
 
 CHAOS_BACKEND        postgres | redis | beanstalk: the engine of the one JOBS backend, ``chaos``

@@ -1,6 +1,6 @@
-"""The chaos battery's short version (``bench/chaos.py --short``) against PostgreSQL and Redis.
+"""The chaos battery's short version (``bench/chaos_battery.py --short``) against PostgreSQL and Redis.
 
-``bench/chaos.py`` runs real ``jobs_work`` processes against a PRIVATE PostgreSQL server it
+``bench/chaos_battery.py`` runs real ``jobs_work`` processes against a PRIVATE PostgreSQL server it
 initdb's and starts on a free loopback port (its own temp dir, never the shared server) and, for
 Redis, a PRIVATE ``redis-server`` on a free port. Two scenarios, ~300 jobs each:
 
@@ -34,7 +34,7 @@ from tests.conftest import require_service
 from tests.procs import REPO_ROOT
 from tests.servers import postgres_bindir
 
-SCRIPT = REPO_ROOT / "bench" / "chaos.py"
+SCRIPT = REPO_ROOT / "bench" / "chaos_battery.py"
 
 
 def run_chaos(backend: str, tmp_path: Any, scenarios: str = "crash,tamper") -> tuple[dict[str, Any], str]:
@@ -60,7 +60,7 @@ def run_chaos(backend: str, tmp_path: Any, scenarios: str = "crash,tamper") -> t
         check=False,
     )
     log = f"exit {proc.returncode}\n--- stderr (tail)\n{proc.stderr[-6000:]}"
-    assert out.exists(), f"bench/chaos.py wrote no report\n{log}"
+    assert out.exists(), f"bench/chaos_battery.py wrote no report\n{log}"
     report = json.loads(out.read_text())
     assert proc.returncode == 0 and not report["errors"], f"{report['errors']}\n{log}"
     assert report["postgres_server"].startswith("private"), report["postgres_server"]
