@@ -659,3 +659,25 @@ def test_redis_wait_for_work_returns_at_once_for_a_due_message():
     start = time.monotonic()
     assert backend.wait_for_work(["default"], 5) is True
     assert time.monotonic() - start < 1
+
+
+# -- the package's lazy exports and jobs_retry's arguments ---------------------------------------
+
+
+def test_the_package_exports_its_worker_and_retry_policy_lazily():
+    import django_jobs
+    from django_jobs.retry import RetryPolicy
+    from django_jobs.worker import QueueWorker
+
+    assert django_jobs.RetryPolicy is RetryPolicy
+    assert django_jobs.QueueWorker is QueueWorker
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = django_jobs.nope
+
+
+@pytest.mark.parametrize("argv", [[], ["abc", "--all-failed"]])
+def test_jobs_retry_wants_ids_or_all_failed_not_both(argv):
+    from django.core.management import CommandError, call_command
+
+    with pytest.raises(CommandError, match="give job ids or --all-failed"):
+        call_command("jobs_retry", *argv)
