@@ -282,17 +282,7 @@ class PrivatePostgres:
     def terminate_backends(self, dbname: str | None = None) -> int:
         """``pg_terminate_backend`` of every other client backend (of ``dbname`` if given): the
         clients see their connection drop while the server stays up. Returns how many."""
-        query = (
-            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'"
-        )
-        params: tuple[str, ...] = ()
-        if dbname is not None:
-            query += " AND datname = %s"
-            params = (dbname,)
-        with self._connect() as conn:
-            row = conn.execute(query, params).fetchone()
-        return int(row[0]) if row else 0
+        return self._count_clients("count(*) FILTER (WHERE pg_terminate_backend(pid))", dbname)
 
     def create_database(self, name: str) -> None:
         with self._connect(timeout=5) as conn:
@@ -305,8 +295,13 @@ class PrivatePostgres:
 
     def connections(self, dbname: str | None = None) -> int:
         """Client backends connected now (to ``dbname`` if given), this query's own excluded."""
+        return self._count_clients("count(*)", dbname)
+
+    def _count_clients(self, aggregate: str, dbname: str | None) -> int:
+        """``aggregate`` over the other client backends (of ``dbname`` if given)."""
         query = (
-            "SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'"
+            f"SELECT {aggregate} FROM pg_stat_activity "
+            "WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'"
         )
         params: tuple[str, ...] = ()
         if dbname is not None:
