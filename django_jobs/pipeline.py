@@ -330,7 +330,9 @@ class DeliveryPipeline:
             job_id, attempt = lease.token, None
         else:
             job_id, attempt = env.id, env.attempts + int(verdict.count_run)
-        if outcome is not Outcome.LEASE_LOST:
+        if outcome is Outcome.LEASE_LOST:  # found before the run: nothing to tell the backend
+            self.metrics.increment("jobs_lease_lost", queue=queue)
+        else:
             try:
                 self._tell_backend(lease, verdict, on_success or (), retries)
             except LeaseLost:

@@ -353,6 +353,7 @@ def test_a_handler_never_starts_on_a_lease_that_was_reaped_during_a_stall(privat
         thread.join(30)
 
     assert [r.status for r in results] == ["lease-lost"]
+    assert worker.metrics.get("jobs_lease_lost", queue="default") == 1  # type: ignore[attr-defined]
     assert not SideEffect.objects.using(PG).filter(key=key).exists(), "the handler ran on a reaped lease"
     job = Job.objects.using(PG).get(pk=job_id)
     assert (job.status, job.attempts) == (JobStatus.FAILED, 1)
