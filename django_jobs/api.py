@@ -59,6 +59,7 @@ class JobOptions(TypedDict, total=False):
     # A list or tuple, not any sequence: a str would be taken letter by letter.
     retry_on: list[type[BaseException] | str] | tuple[type[BaseException] | str, ...]
     single_instance: bool | None
+    keep_result: bool | None
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(JobOptions.__annotations__)
@@ -137,6 +138,10 @@ class JobBuilder:
         names = [e if isinstance(e, str) else f"{e.__module__}.{e.__qualname__}" for e in exceptions]
         return self._set(retry_on=names)
 
+    def keep_result(self, enabled: bool = True) -> JobBuilder:
+        """Keep what the job returns (JSON) and its completed attempt in the history."""
+        return self._set(keep_result=enabled)
+
     def single_instance(self, enabled: bool = True) -> JobBuilder:
         """Never run two jobs of this handler at once; a second delivery waits."""
         return self._set(single_instance=enabled)
@@ -172,7 +177,7 @@ class JobBuilder:
             raise InvalidPayload("payload contains U+0000, which PostgreSQL cannot store; encode binary data")
         if len(text) > conf.get("MAX_MESSAGE_BYTES"):  # cheap early refusal; the whole message is checked below
             raise InvalidPayload(f"payload of {len(text)} bytes exceeds JOBS['MAX_MESSAGE_BYTES']")
-        options = {k: opts[k] for k in ("backoff", "retry_on", "single_instance") if opts.get(k)}
+        options = {k: opts[k] for k in ("backoff", "retry_on", "single_instance", "keep_result") if opts.get(k)}
         env = Envelope(
             id=new_id(),
             handler=self._handler,

@@ -1,7 +1,8 @@
-"""Failed-job records for backends whose own storage is not the ``Job`` table.
+"""Failed-job and result records for backends whose own storage is not the ``Job`` table.
 
 Every permanent failure, whatever the backend, also shows in the admin as a failed ``Job``
-row, from which "retry" re-dispatches it to the backend it came from.
+row, from which "retry" re-dispatches it to the backend it came from. A job that keeps its
+result (``keep_result``) gets a completed row holding it.
 
 A message that fails verification (a forgery, or a signed message replayed onto another
 backend) never changes an existing row: it is kept under a new id of its own, with the id it
@@ -32,26 +33,38 @@ def record_failure(envelope: Envelope, error: str, backend: str, attempts: int, 
     A broker's worker touches the database only here, so a connection broken by a database
     restart would fail every later record: a failed write closes it and tries once more on a
     fresh one (outside a transaction)."""
+    _keep(envelope, backend, attempts, queue, {"status": JobStatus.FAILED, "last_error": error}, "failure")
+
+
+def record_result(envelope: Envelope, value: Any, backend: str, attempts: int, queue: str | None = None) -> None:
+    """Keep a completed ``Job`` copy of ``envelope`` holding ``value``, what its run returned.
+    Never raises, like :func:`record_failure`."""
+    _keep(envelope, backend, attempts, queue, {"status": JobStatus.COMPLETED, "result": value}, "result")
+
+
+def _keep(
+    envelope: Envelope, backend: str, attempts: int, queue: str | None, outcome: dict[str, Any], what: str
+) -> None:
     for last_try in (False, True):
         try:
-            _record(envelope, error, backend, attempts, queue)
+            _record(envelope, outcome, backend, attempts, queue)
             return
         except Exception:
             connection = connections[router.db_for_write(Job)]
             if last_try or connection.in_atomic_block:
-                logger.exception("could not record the failure of job %r (%s) for the admin", envelope.id, backend)
+                logger.exception("could not record the %s of job %r (%s) for the admin", what, envelope.id, backend)
                 return
             with contextlib.suppress(Exception):  # it is broken: closing may fail too
                 connection.close()
 
 
-def _record(envelope: Envelope, error: str, backend: str, attempts: int, queue: str | None) -> None:
+def _record(envelope: Envelope, outcome: dict[str, Any], backend: str, attempts: int, queue: str | None) -> None:
     now = timezone.now()
+    error = outcome.get("last_error", "")
     fields: dict[str, Any] = {
         **envelope_columns(envelope),
-        "status": JobStatus.FAILED,
+        **outcome,
         "attempts": attempts,
-        "last_error": error,
         "finished_at": now,
         "updated_at": now,
         "backend": backend,

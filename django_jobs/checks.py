@@ -157,6 +157,7 @@ RULES: dict[str, tuple[str, Rule]] = {
     "POLL_INTERVAL": ("E004", _number()),
     "METRICS_COLLECTOR": ("E010", _optional_name),
     "SCHEDULE": ("E010", _dict),
+    "HISTORY_LIMIT": ("E004", _number(integer=True)),
     "MAX_MESSAGE_BYTES": ("E004", _number(integer=True, positive=True)),
 }
 

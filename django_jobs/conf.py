@@ -46,6 +46,8 @@ DEFAULTS: dict[str, Any] = {
     "POLL_INTERVAL": 1.0,
     "METRICS_COLLECTOR": "django_jobs.metrics.InMemoryMetricsCollector",
     "SCHEDULE": {},
+    # Finished attempts kept per job in the attempt history (0: keep none).
+    "HISTORY_LIMIT": 25,
     # Not in the public table: a cap on one encoded message, checked before parsing.
     "MAX_MESSAGE_BYTES": 1024 * 1024,
 }

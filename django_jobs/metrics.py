@@ -31,6 +31,8 @@ COUNTERS = (
     "jobs_reap_errors",
     "jobs_lease_lost",
     "jobs_dlq_failed",
+    "jobs_signal_errors",
+    "jobs_history_errors",
 )
 HISTOGRAMS = ("jobs_exec_seconds", "jobs_wait_seconds", "jobs_retry_delay_seconds")
 

@@ -1,7 +1,9 @@
-"""The ``Job`` table: the database backend's queue, and the audit trail of every failure."""
+"""The ``Job`` table (the database backend's queue, and the audit trail of every failure) and
+``JobAttempt``, one row per finished attempt (the attempt history)."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from django.db import models
@@ -54,6 +56,8 @@ class Job(models.Model):
     updated_at = models.DateTimeField(default=timezone.now)
     finished_at = models.DateTimeField(null=True, blank=True)
     backend = models.CharField(max_length=100, default="default", help_text="Backend the job was dispatched to.")
+    # What the job returned, as JSON: kept only for jobs that ask for it (``keep_result``).
+    result = models.JSONField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
@@ -73,3 +77,51 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name or self.handler} [{self.status}] {self.id}"
+
+
+class AttemptOutcome(StrEnum):
+    """How one attempt ended (a plain ``StrEnum``: the worker compares and stores its values)."""
+
+    COMPLETED = "completed"
+    RETRYING = "retrying"
+    FAILED = "failed"
+    LOST = "lost"
+
+
+ATTEMPT_OUTCOME_CHOICES = [
+    (AttemptOutcome.COMPLETED.value, "Completed"),
+    (AttemptOutcome.RETRYING.value, "Failed, retrying"),
+    (AttemptOutcome.FAILED.value, "Failed"),
+    (AttemptOutcome.LOST.value, "Lost (worker crashed or stalled)"),
+]
+
+
+class JobAttempt(models.Model):
+    """One finished attempt of a job: who ran it, when, and how it ended.
+
+    Failed and lost attempts are always recorded; a completed one only for jobs that keep their
+    result (``keep_result``), so a successful job costs no extra write. The newest
+    ``JOBS["HISTORY_LIMIT"]`` attempts of each job are kept. The job row may not exist (yet): a
+    broker's job has a ``Job`` row only once it failed for good or kept a result, so the key is
+    not a database constraint.
+    """
+
+    # DO_NOTHING: an admin retry of a broker's job replaces its row and keeps its history;
+    # jobs_purge deletes the history of the jobs it purges.
+    job = models.ForeignKey(
+        Job, on_delete=models.DO_NOTHING, db_constraint=False, related_name="history", db_index=True
+    )
+    attempt = models.PositiveIntegerField(help_text="1-based run number.")
+    outcome = models.CharField(max_length=16, choices=ATTEMPT_OUTCOME_CHOICES)
+    worker_id = models.CharField(max_length=100, blank=True, help_text="host:pid of the worker.")
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(default=timezone.now)
+    error_class = models.CharField(max_length=255, blank=True, help_text="Dotted path of the exception.")
+    error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["job_id", "attempt", "id"]
+        indexes = [models.Index(fields=["finished_at"], name="django_jobs_attempt_fin_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.job_id} attempt {self.attempt}: {self.outcome}"

@@ -18,7 +18,7 @@ from .backends import get_backend
 from .backends.database import DatabaseBackend
 from .envelope import Envelope
 from .exceptions import BadSignature, InvalidPayload
-from .models import ENVELOPE_COLUMNS, Job, JobStatus
+from .models import ENVELOPE_COLUMNS, Job, JobAttempt, JobStatus
 
 logger = logging.getLogger("django_jobs.operations")
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -68,7 +68,17 @@ def purge(status: str, queue: str | None = None, before: timedelta | None = None
             jobs = jobs.filter(queue=queue)
         if before is not None:
             jobs = jobs.filter(finished_at__lt=timezone.now() - before)
-        total += jobs.count() if dry_run else jobs.delete()[0]
+        if dry_run:
+            total += jobs.count()
+            continue
+        JobAttempt.objects.using(alias).filter(job__in=jobs.values("pk")).delete()
+        total += jobs.delete()[0]
+        if status == JobStatus.COMPLETED:  # type: ignore[comparison-overlap]
+            # The history of broker jobs that failed and then completed: they have no row.
+            orphans = JobAttempt.objects.using(alias).exclude(job__in=Job.objects.using(alias).values("pk"))
+            if before is not None:
+                orphans = orphans.filter(finished_at__lt=timezone.now() - before)
+            orphans.delete()
     if status == JobStatus.FAILED and not dry_run:  # type: ignore[comparison-overlap]
         # Brokers keep their own failed set too (the Job rows above are their audit copies).
         for name in conf.get("BACKENDS") or {}:

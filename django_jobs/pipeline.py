@@ -31,15 +31,17 @@ from typing import Any, ParamSpec
 
 from django.utils import timezone
 
-from . import conf, registry, signing
+from . import conf, history, registry, signing
 from .backends.base import Lease, QueueBackend
-from .envelope import Envelope
+from .envelope import Envelope, dumps_payload
 from .exceptions import BadSignature, HandlerNotAllowed, InvalidPayload, JobsError, JobTimeout, LeaseLost
 from .heartbeat import Heartbeat
 from .idempotency import Claim, IdempotencyGuard
 from .locks import CacheLock
 from .metrics import MetricsCollector, get_collector
+from .models import AttemptOutcome
 from .retry import has_retries_left, may_run, policy_for
+from .signals import emit, job_dead_lettered, job_failed, job_rejected, job_started, job_succeeded
 from .timeouts import HARD_TIMEOUT_GRACE, time_limit
 
 logger = logging.getLogger("django_jobs.worker")
@@ -77,6 +79,8 @@ class WorkerResult:
     queue: str | None = None
     handler: str | None = None
     seconds: float = 0.0
+    # What the run raised (for tests that re-raise it); not part of the result's value.
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +93,10 @@ class Verdict:
     count_run: bool = True  # the delivery ran the handler (or lost a run): ``attempts`` grows
     seconds: float = 0.0
     counter: str | None = None  # for rejections: which ``jobs_rejected_*`` counter
+    exception: BaseException | None = None  # what the run raised
+    started_at: datetime | None = None  # when the run began (for the attempt history)
+    value: Any = None  # what the run returned (kept when the job asks for its result)
+    handler: Any = None  # the handler that ran (the sender of the job signals)
 
 
 class JobContext:
@@ -133,6 +141,7 @@ class Delivery:
     env: Envelope
     handler: registry.Handler
     pid: int = field(default_factory=os.getpid)  # the process that claimed it, and alone settles it
+    started_at: datetime | None = None  # set when the handler is called
     keep_alive: list[Callable[[], None]] = field(default_factory=list)  # renewed with the lease
     on_success: list[Callable[[], None]] = field(default_factory=list)  # before the ack
     release: list[Callable[[], None]] = field(default_factory=list)  # after any ending
@@ -266,15 +275,20 @@ class DeliveryPipeline:
         deadline = start + timeout if timeout else None
         if deadline is not None and self.heartbeat is not None:
             self.heartbeat.arm(deadline + HARD_TIMEOUT_GRACE, lambda: self.settle_timed_out(d))
+        context = JobContext(env, d.attempt, deadline, d.lease)
+        d.started_at = timezone.now()
+        emit(job_started, d.handler, envelope=env, attempt=d.attempt, context=context)
         try:
-            error = _call(d, JobContext(env, d.attempt, deadline, d.lease), timeout)
+            error, value = _call(d, context, timeout)
+            if error is None and env.options.get("keep_result"):
+                error = _unstorable(value)
         finally:
             if self.heartbeat is not None:
                 self.heartbeat.disarm()
         seconds = time.monotonic() - start
         self.metrics.observe("jobs_exec_seconds", seconds, queue=queue)
         if error is None:
-            return Verdict(Outcome.ACKED, seconds=seconds)
+            return Verdict(Outcome.ACKED, seconds=seconds, started_at=d.started_at, value=value, handler=d.handler)
         return self._failed(d, error, seconds)
 
     # -- the retry decision --
@@ -286,10 +300,19 @@ class DeliveryPipeline:
         d.release.clear()
         self.metrics.increment("jobs_failed", queue=d.lease.queue)
         env, text = d.env, format_error(exc)
-        if has_retries_left(env.attempts, env.max_retries) and self.backend.supports_retry and self._may_retry(d, exc):
-            delay = policy_for(env.options).compute_delay(env.attempts + 2)
-            return Verdict(Outcome.REQUEUED, text, delay=delay, seconds=seconds)
-        return Verdict(Outcome.DEAD_LETTERED, text, seconds=seconds)
+        can = has_retries_left(env.attempts, env.max_retries) and self.backend.supports_retry
+        retry = can and self._may_retry(d, exc)
+        votes = emit(job_failed, d.handler, envelope=env, attempt=d.attempt, exception=exc, will_retry=retry)
+        if False in votes:
+            retry = False
+        elif True in votes and can and not isinstance(exc, PERMANENT_ERRORS):
+            retry = True
+        outcome, delay = Outcome.DEAD_LETTERED, 0.0
+        if retry:
+            outcome, delay = Outcome.REQUEUED, policy_for(env.options).compute_delay(env.attempts + 2)
+        return Verdict(
+            outcome, text, delay=delay, seconds=seconds, exception=exc, started_at=d.started_at, handler=d.handler
+        )
 
     def _may_retry(self, d: Delivery, exc: BaseException) -> bool:
         if isinstance(exc, PERMANENT_ERRORS):
@@ -341,6 +364,7 @@ class DeliveryPipeline:
                 outcome = Outcome.LEASE_LOST
             else:
                 self._count(lease, verdict)
+                self._recorded(lease, verdict)
         return WorkerResult(
             outcome,
             job_id=job_id,
@@ -349,6 +373,7 @@ class DeliveryPipeline:
             queue=queue,
             handler=env.handler if env is not None else None,
             seconds=verdict.seconds,
+            exception=verdict.exception,
         )
 
     def _tell_backend(
@@ -384,6 +409,40 @@ class DeliveryPipeline:
                     self.on_backend_error()
                 time.sleep(pause)
         return action(*args, **kwargs)
+
+    def _recorded(self, lease: Lease, verdict: Verdict) -> None:
+        """After a settle: the result and the attempt history, then the signals."""
+        outcome, env = verdict.outcome, lease.envelope
+        if outcome is Outcome.REJECTED or env is None:
+            emit(job_rejected, self.backend, message_id=lease.token, queue=lease.queue, reason=verdict.error or "")
+            return
+        attempt = env.attempts + 1
+        if outcome is Outcome.ACKED:
+            if env.options.get("keep_result"):
+                _quietly(lambda: self.backend.keep_result(lease, verdict.value), "keep the job's result")
+                self._history(env, attempt, AttemptOutcome.COMPLETED, verdict)
+            emit(job_succeeded, verdict.handler, envelope=env, attempt=attempt,
+                 result=verdict.value, seconds=verdict.seconds)  # fmt: skip
+        elif outcome is Outcome.REQUEUED and verdict.count_run:
+            self._history(env, attempt, AttemptOutcome.RETRYING, verdict)
+        elif outcome is Outcome.DEAD_LETTERED:
+            if verdict.count_run:
+                self._history(env, attempt, AttemptOutcome.FAILED, verdict)
+            runs = env.attempts + int(verdict.count_run)
+            emit(job_dead_lettered, verdict.handler or env.handler, envelope=env, error=verdict.error or "",
+                 attempts=runs)  # fmt: skip
+
+    def _history(self, env: Envelope, attempt: int, outcome: str, verdict: Verdict) -> None:
+        exc = verdict.exception
+        history.record(
+            env.id,
+            attempt,
+            outcome,
+            started_at=verdict.started_at,
+            error=verdict.error or "",
+            error_class=history.error_class(exc) if exc is not None else "",
+            using=self.backend.history_alias,
+        )
 
     def _count(self, lease: Lease, verdict: Verdict) -> None:
         queue, outcome, env = lease.queue, verdict.outcome, lease.envelope
@@ -427,17 +486,27 @@ class _KeyHold:
             self.guard.failed(self.key, self.owner)
 
 
-def _call(d: Delivery, context: JobContext, timeout: float | None) -> BaseException | None:
-    """Run the handler once; return what it raised. Whatever it raises (``SystemExit`` and
-    ``KeyboardInterrupt`` included) is the run's failure, not the worker's end. A forked child
-    of the job that unwinds out of it exits here, so it never becomes a second worker."""
+def _call(d: Delivery, context: JobContext, timeout: float | None) -> tuple[BaseException | None, Any]:
+    """Run the handler once; return what it raised, or ``None`` and what it returned. Whatever
+    it raises (``SystemExit`` and ``KeyboardInterrupt`` included) is the run's failure, not the
+    worker's end. A forked child of the job that unwinds out of it exits here, so it never
+    becomes a second worker."""
     try:
         with time_limit(timeout):
-            d.handler.handle(context)
+            value = d.handler.handle(context)
     except BaseException as exc:  # noqa: BLE001 - see above
         _exit_if_forked(d, exc)
-        return exc
+        return exc, None
     _exit_if_forked(d, None)
+    return None, value
+
+
+def _unstorable(value: Any) -> InvalidPayload | None:
+    """Why a job that keeps its result failed to: its return value is not JSON."""
+    try:
+        dumps_payload(value)
+    except InvalidPayload as exc:
+        return InvalidPayload(f"the job's return value cannot be kept: {exc}")
     return None
 
 

@@ -6,13 +6,15 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from . import conf, signing
+from . import conf, history, signing
 from .backends import get_backend
 from .backends.base import Lease, QueueBackend
 from .envelope import Envelope
 from .exceptions import BadSignature, InvalidPayload, LeaseLost
 from .metrics import MetricsCollector, get_collector
+from .models import AttemptOutcome
 from .retry import after_lost_run
+from .signals import emit, job_reaped
 
 logger = logging.getLogger("django_jobs.reaper")
 
@@ -66,6 +68,21 @@ class Reaper:
                 time.sleep(max(min(0.1, end - time.monotonic()), 0))
 
 
+def lost_run(backend: QueueBackend, job_id: str, queue: str, attempt: int, error: str, *, failed: bool) -> None:
+    """A lost run was recovered (``failed``: it had no retries left): it enters the job's
+    attempt history and ``job_reaped`` is sent."""
+    history.record(
+        job_id,
+        attempt,
+        AttemptOutcome.LOST,
+        error=error,
+        error_class="django_jobs.exceptions.WorkerLost",
+        worker="",
+        using=backend.history_alias,
+    )
+    emit(job_reaped, backend, job_id=job_id, queue=queue, attempt=attempt, failed=failed)
+
+
 # How many lost-run redeliveries one fetch settles (each waits for its backoff or fails) before
 # it returns None, so a fetch stays short however many crashed deliveries are queued.
 LOST_RUN_BATCH = 10
@@ -94,6 +111,8 @@ def settle_lost_runs(backend: QueueBackend, lease: Lease, lost: int, how: str) -
     if delay is not None and delay <= 0:
         return False
     error = f"WorkerLost: {how} (worker crashed or stalled)"
+    for attempt in range(env.attempts - lost + 1, env.attempts + 1):
+        lost_run(backend, env.id, lease.queue, attempt, error, failed=delay is None and attempt == env.attempts)
     try:
         if delay is None:
             backend.abandon(lease, error, count_run=False)

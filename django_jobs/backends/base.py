@@ -54,6 +54,8 @@ class QueueBackend(ABC):
     audit_failures: bool = True
     # enqueue() joins the caller's database transaction, so no on_commit deferral is needed.
     transactional: bool = False
+    # The database alias of this backend's attempt history (None: the router's choice).
+    history_alias: str | None = None
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         self.name = name
@@ -102,6 +104,14 @@ class QueueBackend(ABC):
         from ..audit import record_failure  # the models load after the app registry
 
         record_failure(envelope, error, self.name, attempts, queue)
+
+    def keep_result(self, lease: Lease, value: Any) -> None:
+        """Keep what a successful run of a ``keep_result`` job returned (after its ack): a
+        completed ``Job`` row holding it, which ``get_result`` reads."""
+        from ..audit import record_result  # the models load after the app registry
+
+        assert lease.envelope is not None, "only a decoded message has a result"
+        record_result(lease.envelope, value, self.name, lease.envelope.attempts + 1, lease.queue)
 
     @abstractmethod
     def extend(self, lease: Lease, seconds: float) -> None:

@@ -90,7 +90,7 @@ class DatabaseBackend(QueueBackend):
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
-        self.alias = options.get("DATABASE", DEFAULT_DB_ALIAS)
+        self.alias = self.history_alias = options.get("DATABASE", DEFAULT_DB_ALIAS)
 
     # -- helpers --
 
@@ -227,6 +227,10 @@ class DatabaseBackend(QueueBackend):
             [int(count_run), self._adapt(timezone.now()), error],
         )
 
+    def keep_result(self, lease: Lease, value: Any) -> None:
+        """The job's own row keeps its result (one more UPDATE, for ``keep_result`` jobs only)."""
+        Job.objects.using(self.alias).filter(pk=lease.token).update(result=value)
+
     def extend(self, lease: Lease, seconds: float) -> None:
         expires = timezone.now() + timedelta(seconds=seconds)
         count, _ = self._execute(
@@ -247,6 +251,7 @@ class DatabaseBackend(QueueBackend):
         from django.db import InterfaceError, OperationalError
 
         from ..operations import envelope_of  # operations imports this module
+        from ..reaper import lost_run
         from ..retry import reaping, trusted_options
 
         now = timezone.now()
@@ -272,6 +277,7 @@ class DatabaseBackend(QueueBackend):
         )
         reaped = 0
         for job in expired.only(*fields):
+            done = 0
             # A lost connection ends the pass (every later row would fail the same way).
             with (
                 reaping(job.pk, job.queue, fatal=(OperationalError, InterfaceError)),
@@ -285,7 +291,7 @@ class DatabaseBackend(QueueBackend):
                 else:
                     changes = {"status": JobStatus.PENDING, "available_at": now + timedelta(seconds=delay)}
                 # Fenced on the owner token we read: a concurrent reaper or a late ack wins cleanly.
-                reaped += jobs.filter(pk=job.pk, owner_token=job.owner_token, status=JobStatus.IN_PROGRESS).update(
+                done = jobs.filter(pk=job.pk, owner_token=job.owner_token, status=JobStatus.IN_PROGRESS).update(
                     attempts=job.attempts + 1,
                     owner_token=None,
                     leased_until=None,
@@ -293,6 +299,9 @@ class DatabaseBackend(QueueBackend):
                     updated_at=now,
                     **changes,
                 )
+            if done:  # outside the savepoint: the history's own errors cannot undo the reap
+                reaped += 1
+                lost_run(self, job.pk, job.queue, job.attempts + 1, error, failed=delay is None)
         return reaped
 
     def close(self) -> None:

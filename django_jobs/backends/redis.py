@@ -205,6 +205,7 @@ class RedisBackend(QueueBackend):
         return sum(self._reap_queue(q) for q in ([queue] if queue else conf.queues()))
 
     def _reap_queue(self, queue: str) -> int:
+        from ..reaper import lost_run
         from ..retry import reaping, trusted_options
 
         keys = self.keys(queue)
@@ -237,6 +238,8 @@ class RedisBackend(QueueBackend):
                     new_body = env.next_attempt().to_bytes()
                 if self._run("reap", queue, job_id, owner or b"", now, action, new_body, due, error):
                     reaped += 1
+                    if env is not None:
+                        lost_run(self, env.id, queue, env.attempts + 1, error, failed=action == "fail")
                     if env is not None and action == "fail":
                         self.record_failure(env, error, env.attempts + 1, queue)
         return reaped

@@ -1,0 +1,83 @@
+"""The attempt history: one ``JobAttempt`` row per finished attempt, newest ``HISTORY_LIMIT`` kept.
+
+Written by the worker after it settled an attempt, and by the reaper for a lost one. Never
+raises: the attempt is already settled, and a history that cannot be written is logged and
+counted (``jobs_history_errors``), not a reason to run the job again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import datetime
+
+from django.db import router
+from django.utils import timezone
+
+from . import conf
+from .metrics import get_collector
+from .models import JobAttempt
+
+logger = logging.getLogger("django_jobs.history")
+
+_worker: tuple[int, str] = (0, "")
+
+
+def worker_id() -> str:
+    """``host:pid`` of this process (recomputed after a fork)."""
+    global _worker
+    pid = os.getpid()
+    if _worker[0] != pid:
+        _worker = (pid, f"{socket.gethostname()[:80]}:{pid}")
+    return _worker[1]
+
+
+def error_class(exc: BaseException) -> str:
+    """The dotted path of ``exc``'s class, as ``TaskError.exception_class_path`` wants it."""
+    kind = type(exc)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def record(
+    job_id: str,
+    attempt: int,
+    outcome: str,
+    *,
+    started_at: datetime | None = None,
+    error: str = "",
+    error_class: str = "",
+    worker: str | None = None,
+    using: str | None = None,
+) -> None:
+    """Keep one finished attempt of ``job_id`` (``outcome``: an :class:`AttemptOutcome`) and
+    forget the ones beyond ``HISTORY_LIMIT``."""
+    try:
+        limit = int(conf.get("HISTORY_LIMIT"))
+        if limit <= 0:
+            return
+        db = using or router.db_for_write(JobAttempt)
+        attempts = JobAttempt.objects.using(db)
+        attempts.create(
+            job_id=job_id,
+            attempt=attempt,
+            outcome=outcome,
+            worker_id=worker_id() if worker is None else worker,
+            started_at=started_at,
+            finished_at=timezone.now(),
+            error_class=error_class[:255],
+            error=error,
+        )
+        # Newest first by insertion: an admin retry starts the numbering again at 1.
+        stale = list(attempts.filter(job_id=job_id).order_by("-id").values_list("id", flat=True)[limit:])
+        if stale:
+            attempts.filter(id__in=stale).delete()
+    except Exception:
+        get_collector().increment("jobs_history_errors")
+        logger.exception("could not record attempt %d of job %s in its history", attempt, job_id)
+
+
+def attempts_of(job_id: str, using: str | None = None) -> list[JobAttempt]:
+    """The kept attempts of ``job_id``, oldest first."""
+    db = using or router.db_for_read(JobAttempt)
+    return list(JobAttempt.objects.using(db).filter(job_id=job_id).order_by("attempt", "id"))
