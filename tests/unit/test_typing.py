@@ -151,5 +151,6 @@ def test_job_options_name_every_option_the_runtime_accepts():
             "backoff",
             "retry_on",
             "single_instance",
+            "keep_result",
         }
     )
