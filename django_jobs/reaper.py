@@ -108,11 +108,11 @@ def settle_lost_runs(backend: QueueBackend, lease: Lease, lost: int, how: str) -
     metrics = get_collector()
     metrics.increment("jobs_reaped", queue=lease.queue)
     delay = after_lost_run(env.attempts - 1, env.max_retries, env.options)
+    error = f"WorkerLost: {how} (worker crashed or stalled)"
+    # The delivery just before this one was lost (earlier ones were seen by earlier deliveries).
+    lost_run(backend, env.id, lease.queue, env.attempts, error, failed=delay is None)
     if delay is not None and delay <= 0:
         return False
-    error = f"WorkerLost: {how} (worker crashed or stalled)"
-    for attempt in range(env.attempts - lost + 1, env.attempts + 1):
-        lost_run(backend, env.id, lease.queue, attempt, error, failed=delay is None and attempt == env.attempts)
     try:
         if delay is None:
             backend.abandon(lease, error, count_run=False)

@@ -22,13 +22,15 @@ from django.db import connections
 from django.test import override_settings
 from django.utils import timezone
 
-from django_jobs import signing
+from django_jobs import history, signing
 from django_jobs.backends import get_backend
 from django_jobs.backends.base import Lease, QueueBackend
 from django_jobs.envelope import Envelope
 from django_jobs.exceptions import LeaseLost
+from django_jobs.history import attempts_of
 from django_jobs.metrics import get_collector
-from django_jobs.models import Job
+from django_jobs.models import Job, JobAttempt
+from django_jobs.signals import job_reaped
 from django_jobs.worker import QueueWorker
 from tests.backend_params import ALL_DATABASES, BACKEND_PARAMS, BackendCase, holds_messages, require_hook, require_queue
 from tests.testapp.jobs import scripted
@@ -759,3 +761,102 @@ def test_a_stopping_worker_hands_back_the_job_it_leased_ahead(queue_backend, bac
     rest = [fetch(queue_backend).envelope for _ in range(2)]
     assert sorted(env.id for env in rest) == sorted(ids[1:])
     assert [env.attempts for env in rest] == [0, 0]
+
+
+# -- attempt history and kept results --
+
+
+def history_of(backend: QueueBackend, job_id: str) -> list[JobAttempt]:
+    return attempts_of(job_id, using=backend.history_alias)
+
+
+def test_each_failed_attempt_enters_the_history_with_its_error(queue_backend, backend_case):
+    env = enqueue(queue_backend, backend_case, key=unique(), action="raise", max_retries=2)
+    if holds_messages(queue_backend):
+        drain(queue_backend)
+        expected = [(1, "retrying"), (2, "retrying"), (3, "failed")]
+    else:  # the sync backend runs it once, inline, and never retries
+        expected = [(1, "failed")]
+
+    attempts = history_of(queue_backend, env.id)
+    assert [(a.attempt, a.outcome) for a in attempts] == expected
+    for attempt in attempts:
+        assert attempt.error_class == "builtins.RuntimeError"
+        assert attempt.error.startswith("RuntimeError: scripted failure")
+        assert attempt.worker_id == history.worker_id()
+        assert attempt.started_at is not None and attempt.started_at <= attempt.finished_at
+
+
+def test_a_success_writes_no_history_unless_the_job_keeps_its_result(queue_backend, backend_case):
+    plain = enqueue(queue_backend, backend_case, key=unique())
+    kept = (
+        scripted.using(keep_result=True, max_retries=1, backoff={"strategy": "none"})
+        .builder(action="flaky", key=unique(), fail_times=1, db=backend_case.side_effect_db)
+        .build()
+    )
+    queue_backend.enqueue(kept)
+    if holds_messages(queue_backend):
+        assert drain(queue_backend) == ["acked", "requeued", "acked"]
+        assert [a.outcome for a in history_of(queue_backend, kept.id)] == ["retrying", "completed"]
+    else:  # inline, once: the flaky job's first run fails
+        assert [a.outcome for a in history_of(queue_backend, kept.id)] == ["failed"]
+
+    assert history_of(queue_backend, plain.id) == []
+    if holds_messages(queue_backend):
+        # The backend's own row, or a completed audit copy for the brokers.
+        alias = getattr(queue_backend, "alias", "default")
+        row = Job.objects.using(alias).get(pk=kept.id)
+        assert (row.status, row.result) == ("completed", "flaky")  # what scripted() returned
+
+
+def test_a_lost_run_enters_the_history(queue_backend, backend_case):
+    require_queue(queue_backend)
+    received = []
+    env = enqueue(queue_backend, backend_case, max_retries=1)
+    lease = fetch(queue_backend)
+
+    def on_reaped(sender: Any, **kwargs: Any) -> None:
+        received.append((kwargs["job_id"], kwargs["attempt"], kwargs["failed"]))
+
+    job_reaped.connect(on_reaped)
+    try:
+        reap_now(backend_case, queue_backend, lease)
+        if queue_backend.native_lease:  # the broker redelivers; the next fetch sees the lost run
+            fetch(queue_backend)
+    finally:
+        job_reaped.disconnect(on_reaped)
+
+    [attempt] = history_of(queue_backend, env.id)
+    assert (attempt.attempt, attempt.outcome, attempt.error_class) == (1, "lost", "django_jobs.exceptions.WorkerLost")
+    assert attempt.error.startswith("WorkerLost")
+    assert received == [(env.id, 1, False)]
+
+
+@pytest.mark.django_db
+def test_the_history_keeps_the_newest_history_limit_attempts():
+    backend = get_backend("default")
+    with override_settings(JOBS={**settings.JOBS, "HISTORY_LIMIT": 2}):
+        env = scripted.using(max_retries=3, backoff={"strategy": "none"}).builder(action="raise").build()
+        backend.enqueue(env)
+        assert drain(backend) == ["requeued", "requeued", "requeued", "dead-lettered"]
+        assert [(a.attempt, a.outcome) for a in history_of(backend, env.id)] == [(3, "retrying"), (4, "failed")]
+    with override_settings(JOBS={**settings.JOBS, "HISTORY_LIMIT": 0}):
+        env = scripted.using(max_retries=1, backoff={"strategy": "none"}).builder(action="raise").build()
+        backend.enqueue(env)
+        drain(backend)
+        assert history_of(backend, env.id) == []
+
+
+@pytest.mark.django_db
+def test_a_return_value_that_is_not_json_fails_a_job_that_keeps_its_result(monkeypatch):
+    backend = get_backend("default")
+    env = scripted.using(keep_result=True).builder(action="ok").build()
+    backend.enqueue(env)
+    monkeypatch.setattr("tests.testapp.jobs.scripted.func", lambda **kwargs: object())
+
+    [status] = drain(backend)
+
+    assert status == "dead-lettered"
+    row = Job.objects.get(pk=env.id)
+    assert row.status == "failed" and "the job's return value cannot be kept" in row.last_error
+    assert [a.error_class for a in history_of(backend, env.id)] == ["django_jobs.exceptions.InvalidPayload"]
