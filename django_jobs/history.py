@@ -1,4 +1,5 @@
-"""The attempt history: one ``JobAttempt`` row per finished attempt, newest ``HISTORY_LIMIT`` kept.
+"""The attempt history: one ``JobAttempt`` row per finished attempt, newest ``HISTORY_LIMIT`` kept
+(per round of attempts: an admin retry trims the history and starts a new round).
 
 Written by the worker after it settled an attempt, and by the reaper for a lost one. Never
 raises: the attempt is already settled, and a history that cannot be written is logged and
@@ -68,13 +69,22 @@ def record(
             error_class=error_class[:255],
             error=error,
         )
-        # Newest first by insertion: an admin retry starts the numbering again at 1.
-        stale = list(attempts.filter(job_id=job_id).order_by("-id").values_list("id", flat=True)[limit:])
-        if stale:
-            attempts.filter(id__in=stale).delete()
+        if attempt > limit:  # rare: a short history costs no extra statement
+            attempts.filter(job_id=job_id, attempt__lte=attempt - limit).delete()
     except Exception:
         get_collector().increment("jobs_history_errors")
         logger.exception("could not record attempt %d of job %s in its history", attempt, job_id)
+
+
+def trim(job_id: str, using: str | None = None) -> None:
+    """Keep only the newest ``HISTORY_LIMIT`` attempts of ``job_id``. An admin retry calls it:
+    the attempt numbers start again at 1 after a retry, so ``record`` alone would not bound the
+    history of a job retried again and again."""
+    limit = max(int(conf.get("HISTORY_LIMIT")), 0)
+    attempts = JobAttempt.objects.using(using or router.db_for_write(JobAttempt)).filter(job_id=job_id)
+    stale = list(attempts.order_by("-id").values_list("id", flat=True)[limit:])
+    if stale:
+        attempts.filter(id__in=stale).delete()
 
 
 def attempts_of(job_id: str, using: str | None = None) -> list[JobAttempt]:

@@ -381,6 +381,8 @@ class DeliveryPipeline:
     ) -> None:
         outcome, count_run = verdict.outcome, verdict.count_run
         if outcome is Outcome.ACKED:
+            if lease.envelope is not None and lease.envelope.options.get("keep_result"):
+                lease.result = verdict.value
             for hook in on_success:  # before the ack: if the ack finds the lease lost, the redelivery is skipped
                 _quietly(hook, "mark the idempotency key done")
             self._retrying(self.ack, retries, lease)

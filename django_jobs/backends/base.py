@@ -14,6 +14,9 @@ from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from ..envelope import Envelope
 from ..exceptions import InvalidPayload
 
+# ``Lease.result`` of a run whose value is not kept (``None`` is a value: the job returned it).
+NO_RESULT: Any = object()
+
 
 @dataclass(slots=True)
 class Lease:
@@ -30,6 +33,9 @@ class Lease:
     envelope: Envelope | None = None
     error: InvalidPayload | None = None
     raw: Any = None  # backend-specific handle (a broker message, a job id, ...)
+    # What a successful run of a ``keep_result`` job returned, set before its ack: a backend
+    # may store it with the ack (the database backend does), else ``keep_result`` stores it.
+    result: Any = NO_RESULT
 
 
 class QueueBackend(ABC):

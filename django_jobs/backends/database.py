@@ -23,9 +23,10 @@ from ..envelope import Envelope
 from ..exceptions import InvalidPayload, LeaseLost, WorkerLost
 from ..models import Job, JobStatus, envelope_columns
 from ..retry import after_lost_run
-from .base import Lease, QueueBackend
+from .base import NO_RESULT, Lease, QueueBackend
 
 TABLE = Job._meta.db_table
+_RESULT = Job._meta.get_field("result")
 RETURNED = (
     "id, handler, {payload}, {options}, signature, name, attempts, max_retries, "
     "priority, available_at, timeout, idempotency_key"
@@ -204,11 +205,12 @@ class DatabaseBackend(QueueBackend):
         )
 
     def ack(self, lease: Lease, *, count_run: bool = True) -> None:
-        self._settle(
-            lease,
-            "status = 'completed', attempts = attempts + %s, finished_at = %s",
-            [int(count_run), self._adapt(timezone.now())],
-        )
+        assignments = "status = 'completed', attempts = attempts + %s, finished_at = %s"
+        params = [int(count_run), self._adapt(timezone.now())]
+        if lease.result is not NO_RESULT:  # a keep_result job's value: kept in the same statement
+            assignments += ", result = %s"
+            params.append(_RESULT.get_db_prep_save(lease.result, self._conn))
+        self._settle(lease, assignments, params)
 
     def nack(self, lease: Lease, delay: float, *, error: str = "", count_run: bool = True) -> None:
         available = timezone.now() + timedelta(seconds=max(delay, 0))
@@ -228,8 +230,7 @@ class DatabaseBackend(QueueBackend):
         )
 
     def keep_result(self, lease: Lease, value: Any) -> None:
-        """The job's own row keeps its result (one more UPDATE, for ``keep_result`` jobs only)."""
-        Job.objects.using(self.alias).filter(pk=lease.token).update(result=value)
+        """Nothing to do: the ack wrote the result into the job's own row."""
 
     def extend(self, lease: Lease, seconds: float) -> None:
         expires = timezone.now() + timedelta(seconds=seconds)
