@@ -4,7 +4,8 @@ Three kinds of job, drained in one process by a real worker loop (``QueueWorker.
 
 - ``plain``: succeeds, keeps no result (the default): no history row is written;
 - ``keep_result``: succeeds and keeps its return value (what ``django.tasks`` results use);
-- ``fails_once``: fails its first attempt, then succeeds (one history row for the failure).
+- ``fails_once``: fails its first attempt, then succeeds (one history row for the failure);
+- ``fails_once_no_history``: the same with ``HISTORY_LIMIT = 0`` (what the history costs it).
 
 For each it prints the SQL statements per job (exact, from Django's query log) and the drain
 rate relative to ``plain`` (one run: compare ratios, not absolute rates, on a shared machine).
@@ -74,8 +75,8 @@ def drain(kind: str, jobs: int) -> tuple[float, float]:
         builders = [noop.builder(i) for i in range(jobs)]
     elif kind == "keep_result":
         builders = [noop.using(keep_result=True).builder(i) for i in range(jobs)]
-    else:
-        builders = [flaky.using(max_retries=1).builder(i) for i in range(jobs)]
+    else:  # fails_once, with or without the history
+        builders = [flaky.using(max_retries=1).builder(i + (jobs if "no_history" in kind else 0)) for i in range(jobs)]
     Jobs.bulk(builders)
     worker = QueueWorker(queues=["default"])
     statements = 0
@@ -87,7 +88,7 @@ def drain(kind: str, jobs: int) -> tuple[float, float]:
 
     start = time.perf_counter()
     with connection.execute_wrapper(count):
-        worker.run(once=False, max_jobs=jobs * (2 if kind == "fails_once" else 1), sleep=0.01, reap=False)
+        worker.run(once=False, max_jobs=jobs * (2 if "fails" in kind else 1), sleep=0.01, reap=False)
     elapsed = time.perf_counter() - start
     assert Job.objects.filter(status="completed").count() == jobs, "every job must complete"
     return jobs / elapsed, statements / jobs
@@ -105,12 +106,17 @@ def main() -> None:
         from django.core.management import call_command
 
         call_command("migrate", verbosity=0)
+        from django.conf import settings
+        from django.test import override_settings
+
         results = {kind: drain(kind, args.jobs) for kind in ("plain", "keep_result", "fails_once")}
+        with override_settings(JOBS={**settings.JOBS, "HISTORY_LIMIT": 0}):
+            results["fails_once_no_history"] = drain("fails_once_no_history", args.jobs)
     base = results["plain"][0]
     print(f"{args.db}, {args.jobs} jobs per kind, one worker process")
-    print(f"{'kind':<12} {'statements/job':>15} {'drain vs plain':>15}")
+    print(f"{'kind':<22} {'statements/job':>15} {'drain vs plain':>15}")
     for kind, (rate, statements) in results.items():
-        print(f"{kind:<12} {statements:>15.2f} {rate / base:>14.2f}x")
+        print(f"{kind:<22} {statements:>15.2f} {rate / base:>14.2f}x")
 
 
 if __name__ == "__main__":
