@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from django.contrib import admin, messages
@@ -14,7 +15,53 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from . import dashboard, operations
-from .models import Job
+from .models import Job, JobAttempt
+
+# How much of an error's first line the attempt history and a retry's log message show.
+SUMMARY_CHARS = 200
+
+
+def first_line(text: str, limit: int = SUMMARY_CHARS) -> str:
+    """The first non-blank line of ``text``, cut to ``limit`` characters."""
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def retry_message(job: Job) -> str:
+    """The admin log's change message for a retry of ``job``, read before the retry reset it."""
+    runs = f"{job.attempts} run{'' if job.attempts == 1 else 's'}"
+    error = first_line(job.last_error)
+    return f"Retried (was failed after {runs}: {error})" if error else f"Retried (was failed after {runs})"
+
+
+def duration_text(seconds: float) -> str:
+    """``0.042 s``, ``12.5 s``, ``3 min 20 s``, ``2 h 5 min``."""
+    if seconds < 10:
+        return f"{seconds:.3f} s"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s"
+    return f"{minutes // 60} h {minutes % 60} min"
+
+
+@dataclass(frozen=True)
+class AttemptRow:
+    """One line of a job page's attempt history."""
+
+    attempt: JobAttempt
+
+    @property
+    def duration(self) -> str:
+        started, finished = self.attempt.started_at, self.attempt.finished_at
+        if started is None or finished is None:
+            return ""
+        return duration_text(max((finished - started).total_seconds(), 0.0))
+
+    @property
+    def summary(self) -> str:
+        return first_line(self.attempt.error)
 
 
 @admin.register(Job)
@@ -70,9 +117,29 @@ class JobAdmin(admin.ModelAdmin):
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False  # jobs are read-only records; the "retry" action is the way to change one
 
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: Job | None = None,
+    ) -> HttpResponse:
+        if obj is not None:
+            # One query, from the database the job row came from. Oldest first is insertion
+            # order: a retry numbers its attempts from 1 again.
+            attempts = JobAttempt.objects.using(obj._state.db).filter(job_id=obj.pk).order_by("id")
+            context["attempt_history"] = [AttemptRow(attempt) for attempt in attempts]
+        response: HttpResponse = super().render_change_form(request, context, add, change, form_url, obj)
+        return response
+
     @admin.action(description="Retry selected failed jobs", permissions=["retry"])
     def retry(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        """Requeue the failed jobs selected; each retry is logged in the job's admin history."""
         outcome = operations.retry_jobs(queryset)
+        for job in outcome.jobs:
+            self.log_change(request, job, retry_message(job))
         for error in outcome.errors:
             self.message_user(request, error, messages.ERROR)
         for note in outcome.notes:

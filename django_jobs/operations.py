@@ -95,6 +95,8 @@ class RetryOutcome:
     retried: int = 0
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # worth telling, not a failure
+    # The rows retried, as they were before the retry (status failed, their runs and last error).
+    jobs: list[Job] = field(default_factory=list)
 
 
 def retry_by_id(ids: list[str] | None, queue: str | None = None) -> RetryOutcome:
@@ -108,6 +110,7 @@ def retry_by_id(ids: list[str] | None, queue: str | None = None) -> RetryOutcome
             jobs = jobs.filter(queue=queue)
         more = retry_jobs(jobs)
         outcome.retried += more.retried
+        outcome.jobs += more.jobs
         outcome.errors += more.errors
         outcome.notes += [note for note in more.notes if note not in outcome.notes]
     return outcome
@@ -120,7 +123,8 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
     backend is re-dispatched to that backend and the copy removed (a new failure re-records it).
     A job whose backend is no longer configured stays failed and is reported in ``errors``, and
     so does a row whose signature does not verify (a forged or tampered message kept for audit):
-    a retry never re-signs or re-sends what no key holder dispatched.
+    a retry never re-signs or re-sends what no key holder dispatched. ``jobs`` of the outcome
+    holds the rows retried as they were read (failed, with their runs and last error).
     """
     now = timezone.now()
     outcome = RetryOutcome()
@@ -136,7 +140,7 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
             outcome.errors.append(f"job {row.pk} was not retried: {exc}")
             continue
         if isinstance(backend, DatabaseBackend):
-            outcome.retried += (
+            reset = (
                 Job.objects.using(backend.alias)
                 .filter(pk=row.pk, status=JobStatus.FAILED)
                 .update(
@@ -150,12 +154,13 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
                     updated_at=now,
                 )
             )
+            if not reset:
+                continue  # no longer failed: retried meanwhile
         else:
             backend.enqueue(envelope_of(row))
             # Enqueued first, so a failed push loses nothing; a backend that ran it inline and
             # recorded a new failure (sync) has changed updated_at, and that record stays.
             Job.objects.using(row._state.db).filter(pk=row.pk, updated_at=row.updated_at).delete()
-            outcome.retried += 1
             if backend.native_dead_letter:
                 note = (
                     f"backend {backend.name!r} keeps its own dead-lettered copy of each retried job "
@@ -163,6 +168,8 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
                 )
                 if note not in outcome.notes:
                     outcome.notes.append(note)
+        outcome.retried += 1
+        outcome.jobs.append(row)
     return outcome
 
 

@@ -232,3 +232,29 @@ def private_beanstalkd(tmp_path):
         yield server
     finally:
         server.cleanup()
+
+
+# -- Admin tests -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def failed_job():
+    """Makes a job that failed for good: ``failed_job(runs=3)`` dispatches ``scripted`` with
+    action=raise and ``runs - 1`` retries, runs it through the worker ``runs`` times (each retry
+    made due at once) and returns its id. Its attempt history holds ``runs`` rows."""
+    from django.utils import timezone
+
+    from django_jobs.models import Job
+    from django_jobs.worker import QueueWorker
+    from tests.testapp.jobs import scripted
+
+    def make(runs: int = 3) -> str:
+        job_id = scripted.using(max_retries=runs - 1).dispatch(action="raise")
+        worker = QueueWorker("default")
+        for _ in range(runs):
+            Job.objects.filter(pk=job_id).update(available_at=timezone.now())
+            assert worker.process_once().job_id == job_id
+        assert Job.objects.get(pk=job_id).status == "failed"
+        return job_id
+
+    return make
