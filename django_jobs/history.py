@@ -88,6 +88,7 @@ def trim(job_id: str, using: str | None = None) -> None:
 
 
 def attempts_of(job_id: str, using: str | None = None) -> list[JobAttempt]:
-    """The kept attempts of ``job_id``, oldest first."""
+    """The kept attempts of ``job_id``, oldest first (in the order they were recorded: the
+    numbering starts again at 1 after an admin retry)."""
     db = using or router.db_for_read(JobAttempt)
-    return list(JobAttempt.objects.using(db).filter(job_id=job_id).order_by("attempt", "id"))
+    return list(JobAttempt.objects.using(db).filter(job_id=job_id).order_by("id"))

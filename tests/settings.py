@@ -22,12 +22,16 @@ TIME_ZONE = "UTC"
 ROOT_URLCONF = "tests.urls"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# The admin's CSS and JS, which the browser tests' live server serves.
+STATIC_URL = "static/"
+
 INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    "django.contrib.staticfiles",
     "django_jobs",
     "tests.testapp",
 ]
