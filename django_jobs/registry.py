@@ -7,12 +7,14 @@ A message can never name an arbitrary import path: anything not registered here 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from functools import lru_cache
 from importlib import import_module
 from typing import TYPE_CHECKING, Protocol, cast
 
 from django.apps import apps
+from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import autodiscover_modules, import_string
 
@@ -105,8 +107,41 @@ def queue_allowlist(queue: str) -> list[str] | None:
 
 def autodiscover() -> None:
     """Import every installed app's ``jobs`` module and ``JOBS["IMPORTS"]``, so ``@job``
-    functions are registered before a worker's first fetch (as the admin autodiscovers)."""
+    functions are registered before a worker's first fetch (as the admin autodiscovers).
+
+    When ``settings.TASKS`` runs ``@task`` functions on django-jobs, every app's ``tasks``
+    module is imported too: a ``@task`` registers its handler when it is defined."""
     if apps.ready:
         autodiscover_modules("jobs")
+        if tasks_use_django_jobs():
+            autodiscover_modules("tasks")
     for module in conf.names("IMPORTS"):
         import_module(module)
+
+
+TASK_BACKEND = "django_jobs.tasks.JobsTaskBackend"
+
+
+def tasks_use_django_jobs() -> bool:
+    """Does a ``settings.TASKS`` backend run on django-jobs (``JobsTaskBackend`` or a subclass)?
+
+    Only then are ``tasks`` modules imported: in another project they may belong to another
+    task runner, with import-time effects of their own."""
+    configured = getattr(settings, "TASKS", None)
+    for params in configured.values() if isinstance(configured, dict) else ():
+        path = params.get("BACKEND") if isinstance(params, dict) else None
+        if path == TASK_BACKEND:
+            return True
+        try:
+            backend_class = import_string(path) if isinstance(path, str) else None
+        except ImportError:
+            continue  # Django names the broken path when that backend is used
+        # Importing a subclass of JobsTaskBackend has imported django_jobs.tasks.
+        jobs_tasks = sys.modules.get("django_jobs.tasks")
+        if (
+            jobs_tasks is not None
+            and isinstance(backend_class, type)
+            and issubclass(backend_class, jobs_tasks.JobsTaskBackend)
+        ):
+            return True
+    return False

@@ -7,6 +7,8 @@ which points them at the test databases pytest-django created.
 import os
 from pathlib import Path
 
+import django
+
 BASE = Path(__file__).resolve().parent
 SUBPROCESS = os.environ.get("JOBS_TEST_SUBPROCESS") == "1"
 # Test database names per test session (worker subprocesses inherit them through the
@@ -127,6 +129,15 @@ JOBS = {
     # The command handler runs only allowlisted management commands (tests/integration/test_api.py runs it).
     "ALLOWED_COMMANDS": ["clearsessions"],
 }
+# django.tasks on django-jobs: one TASKS alias per JOBS backend the task tests run on
+# (tests/testapp/tasks.py defines the tasks; worker subprocesses find them by autodiscovery).
+TASKS = {
+    alias: {"BACKEND": "django_jobs.tasks.JobsTaskBackend", "QUEUES": [], "OPTIONS": {"backend": alias}}
+    for alias in ("default", "pg", "redis")
+}
+if django.VERSION < (6, 0):
+    INSTALLED_APPS.append("django_tasks")  # Django 5.2: the backport of django.tasks
+
 if os.environ.get("JOBS_TEST_IDEMPOTENCY_REDIS"):
     # Fault tests: idempotency keys in a Redis of the test's own, which it can freeze.
     CACHES["idem"] = {

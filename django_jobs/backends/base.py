@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
@@ -36,6 +36,13 @@ class Lease:
     # What a successful run of a ``keep_result`` job returned, set before its ack: a backend
     # may store it with the ack (the database backend does), else ``keep_result`` stores it.
     result: Any = NO_RESULT
+
+
+class LiveJob(NamedTuple):
+    """A message not yet settled for good, as :meth:`QueueBackend.peek` finds it."""
+
+    state: Literal["pending", "in_progress"]  # the ``JobStatus`` values of the same states
+    envelope: Envelope
 
 
 class QueueBackend(ABC):
@@ -118,6 +125,14 @@ class QueueBackend(ABC):
 
         assert lease.envelope is not None, "only a decoded message has a result"
         record_result(lease.envelope, value, self.name, lease.envelope.attempts + 1, lease.queue)
+
+    def peek(self, job_id: str) -> LiveJob | None:
+        """The live state of a message this backend still holds, looked up by id without
+        leasing it: ``("pending", envelope)`` while it waits (ready, delayed or due for a
+        retry) or ``("in_progress", envelope)`` while it is leased. ``None`` when the message is
+        unknown, settled for good, or the backend cannot look a message up by id (the default).
+        """
+        return None
 
     @abstractmethod
     def extend(self, lease: Lease, seconds: float) -> None:

@@ -21,7 +21,7 @@ from ..envelope import Envelope
 from ..exceptions import InvalidPayload, LeaseLost, WorkerLost
 from ..retry import after_lost_run
 from . import require
-from .base import Lease, QueueBackend, decode_lease_body
+from .base import Lease, LiveJob, QueueBackend, decode_lease_body
 
 redis = require("redis", "redis")
 
@@ -194,6 +194,26 @@ class RedisBackend(QueueBackend):
         env = lease.envelope
         body = b"" if env is None else (env.next_attempt() if count_run else env).to_bytes()
         self._fenced("abandon", lease, body, _ms(), error)
+
+    def peek(self, job_id: str) -> LiveJob | None:
+        """Looks in every queue of ``JOBS["QUEUES"]`` (one round trip): a message is live while
+        its body is kept and it is not in the failed set; it is in progress while leased."""
+        queues = conf.queues()
+        pipe = self.client.pipeline(transaction=False)
+        for queue in queues:
+            keys = self.keys(queue)
+            pipe.hget(keys.bodies, job_id)
+            pipe.zscore(keys.processing, job_id)
+            pipe.zscore(keys.failed, job_id)
+        replies = pipe.execute()
+        for i in range(len(queues)):
+            body, leased, failed = replies[3 * i : 3 * i + 3]
+            if body is None or failed is not None:
+                continue
+            envelope, _ = decode_lease_body(body)
+            if envelope is not None:
+                return LiveJob("in_progress" if leased is not None else "pending", envelope)
+        return None
 
     def extend(self, lease: Lease, seconds: float) -> None:
         deadline = _ms(time.time() + seconds)
