@@ -3,6 +3,10 @@
 It goes through the real delivery pipeline (signature check, handler allowlist, idempotency,
 timeout) so behaviour matches production; there is no queue, so no retry and no delay. A
 permanent failure is recorded as a failed ``Job`` row, like every backend's.
+
+``OPTIONS={"RAISE": True}`` (for tests) makes the dispatch raise when the job did not succeed:
+the job's own exception, or a :class:`~django_jobs.exceptions.JobsError` saying why it did not
+run (rejected, or its idempotency key or single-instance lock held).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import TYPE_CHECKING
 from django.utils import timezone
 
 from ..envelope import Envelope
+from ..exceptions import JobsError
 from .base import Lease, QueueBackend
 
 if TYPE_CHECKING:
@@ -45,8 +50,11 @@ class SyncBackend(QueueBackend):
             queue=envelope.queue,
             envelope=envelope,
         )
-        self.last_results.append(self.pipeline.process(lease))
+        result = self.pipeline.process(lease)
+        self.last_results.append(result)
         del self.last_results[:-100]
+        if self.options.get("RAISE"):
+            _raise_for(result)
         return envelope.id
 
     def fetch(self, queue: str) -> Lease | None:
@@ -69,3 +77,19 @@ class SyncBackend(QueueBackend):
 
     def size(self, queue: str) -> int:
         return 0
+
+
+def _raise_for(result: WorkerResult) -> None:
+    """Raise what a delivery that did not succeed raised, or a ``JobsError`` saying why it did
+    not run; return for a success or a skip (its idempotency key had already succeeded)."""
+    from ..pipeline import Outcome  # the pipeline imports the backends package
+
+    if result.exception is not None:
+        raise result.exception
+    if result.status in (Outcome.ACKED, Outcome.SKIPPED_IDEMPOTENT):
+        return
+    if result.status is Outcome.REQUEUED:
+        why = "its idempotency key or single-instance lock is held by another delivery"
+    else:
+        why = result.error or str(result.status)
+    raise JobsError(f"job {result.job_id} ({result.handler}) on queue {result.queue!r} was not run: {why}")

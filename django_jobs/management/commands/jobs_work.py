@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+import signal
+import threading
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_jobs import registry, signing
-from django_jobs.pool import WorkerPool
+from django_jobs.pool import STOP_SIGNALS, WorkerPool
 from django_jobs.worker import QueueWorker, WorkerResult
 
 from . import _validate
@@ -36,22 +38,47 @@ class Command(BaseCommand):
             registry.autodiscover()  # before forking, so every process has the @job registrations
         except ImproperlyConfigured as exc:
             raise CommandError(_validate.one_line(exc)) from exc
-        pool = WorkerPool(
-            lambda: QueueWorker(backend, queues),
-            opts["concurrency"],
-            max_jobs=1 if opts["once"] else opts["max_jobs"],
-            max_time=opts["max_time"],
-            once=opts["once"],
-            sleep=opts["sleep"],
-            on_result=self.report,
-        )
+        limits: dict[str, Any] = {
+            "max_jobs": 1 if opts["once"] else opts["max_jobs"],
+            "max_time": opts["max_time"],
+            "once": opts["once"],
+            "sleep": opts["sleep"],
+            "on_result": self.report,
+        }
+        if opts["concurrency"] == 1 and (opts["once"] or opts["max_jobs"] is not None):
+            self.work_here(QueueWorker(backend, queues, exit_on_hard_timeout=True), limits)
+            return
+        pool = WorkerPool(lambda: QueueWorker(backend, queues), opts["concurrency"], **limits)
         pool.install_signal_handlers()
-        self.stdout.write(
-            f"django-jobs worker started: backend={backend} queues={','.join(queues)} concurrency={opts['concurrency']}"
-        )
-        self.stdout.flush()
+        self.started(backend, queues, opts["concurrency"])
         if pool.run():
             raise CommandError("worker processes keep dying at start-up (see the errors logged above); giving up")
+
+    def work_here(self, worker: QueueWorker, limits: dict[str, Any]) -> None:
+        """A bounded run of one process (``--once``, ``--max``) needs no supervisor: the worker
+        runs in this process, on its database connections. So ``call_command`` in a test sees
+        the test's rows, and the test sees what the jobs did. ``SIGTERM``/``SIGINT`` stop it
+        after the job in hand; a job that ends the process (``os._exit``, a crash, a hard
+        timeout) ends the command with the process's status."""
+        # Signal handlers can be set from the main thread only; the previous ones come back after.
+        main = threading.current_thread() is threading.main_thread()
+        previous = {signum: signal.signal(signum, lambda *_: worker.stop()) for signum in STOP_SIGNALS} if main else {}
+        try:
+            self.started(worker.backend.name, worker.queues, 1)
+            worker.run(**limits)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+            # Hands back a job reserved ahead (beanstalkd, Service Bus). A database backend's
+            # connection is the caller's own, perhaps in its transaction: it stays open.
+            if not worker.backend.transactional:
+                worker.backend.close()
+
+    def started(self, backend: str, queues: list[str], concurrency: int) -> None:
+        self.stdout.write(
+            f"django-jobs worker started: backend={backend} queues={','.join(queues)} concurrency={concurrency}"
+        )
+        self.stdout.flush()
 
     def report(self, result: WorkerResult) -> None:
         error = f"  {result.error.splitlines()[0]}" if result.error else ""
