@@ -524,7 +524,8 @@ def _exit_if_forked(d: Delivery, exc: BaseException | None) -> None:
 
 
 def _rejection(exc: JobsError, counter: str) -> Verdict:
-    return Verdict(Outcome.REJECTED, f"rejected: {type(exc).__name__}: {exc}", count_run=False, counter=counter)
+    text = f"rejected: {type(exc).__name__}: {exc}"
+    return Verdict(Outcome.REJECTED, text, count_run=False, counter=counter, exception=exc)
 
 
 def _quietly(action: Callable[[], Any], what: str) -> None:

@@ -5,8 +5,9 @@ timeout) so behaviour matches production; there is no queue, so no retry and no 
 permanent failure is recorded as a failed ``Job`` row, like every backend's.
 
 ``OPTIONS={"RAISE": True}`` (for tests) makes the dispatch raise when the job did not succeed:
-the job's own exception, or a :class:`~django_jobs.exceptions.JobsError` saying why it did not
-run (rejected, or its idempotency key or single-instance lock held).
+the job's own exception, a rejection's refusal (``HandlerNotAllowed``, ``BadSignature``, ...),
+or a :class:`~django_jobs.exceptions.JobsError` saying its idempotency key or single-instance
+lock was held.
 """
 
 from __future__ import annotations

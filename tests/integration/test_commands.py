@@ -170,7 +170,7 @@ def test_jobs_work_exits_non_zero_when_its_pool_gives_up():
         mock.patch.object(WorkerPool, "run", return_value=1),
         pytest.raises(CommandError, match="keep dying at start-up"),
     ):
-        run("jobs_work", "--once")
+        run("jobs_work")  # a bounded run of one process (--once, --max) does not use the pool
 
 
 # -- jobs_retry ---------------------------------------------------------------------------------------
