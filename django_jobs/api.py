@@ -6,19 +6,23 @@ import functools
 import inspect
 import math
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypedDict, TypeVar, Unpack, overload
 
+from django.apps import apps
+from django.core.signals import setting_changed
 from django.utils import timezone
 
 from . import conf, registry, signing
 from .backends import get_backend
 from .backends.base import QueueBackend
-from .envelope import Envelope, dumps_payload, new_id
-from .exceptions import InvalidPayload, UnknownQueue
+from .envelope import Envelope, PayloadProblem, a_type, check_keys, dumps_payload, new_id, payload_problem
+from .exceptions import DispatchCancelled, InvalidPayload, UnknownQueue
 from .retry import MAX_DELAY_SECONDS, RetryPolicy, check_delay
+from .signals import emit, job_dispatching
 
 if TYPE_CHECKING:
     from .pipeline import JobContext
@@ -75,6 +79,8 @@ class JobBuilder:
         # is not nullable.
         self._payload = {} if payload is None else payload
         self._opts: dict[str, Any] = {}
+        # The @job function this builder calls, if any: the sender of job_dispatching.
+        self._function: JobFunction[Any, Any] | None = None
 
     def _set(self, **values: Any) -> JobBuilder:
         self._opts.update(values)
@@ -85,7 +91,7 @@ class JobBuilder:
 
     def priority(self, value: int) -> JobBuilder:
         """Higher runs sooner (default 0)."""
-        return self._set(priority=int(value))
+        return self._set(priority=_check_priority(value))
 
     def max_retries(self, value: int) -> JobBuilder:
         """Retries after the first run: total runs = ``value + 1``."""
@@ -94,8 +100,8 @@ class JobBuilder:
         return self._set(max_retries=int(value))
 
     def timeout(self, seconds: float | None) -> JobBuilder:
-        """Seconds one attempt may run."""
-        return self._set(timeout=seconds)
+        """Seconds one attempt may run (``None``: the worker's ``DEFAULT_TIMEOUT``; 0: no limit)."""
+        return self._set(timeout=_check_timeout(seconds))
 
     def delay(self, seconds: float | timedelta) -> JobBuilder:
         """Run no sooner than ``seconds`` from dispatch (at most ``MAX_DELAY_SECONDS``, one year)."""
@@ -157,38 +163,57 @@ class JobBuilder:
                 self.retry_on(*value)
             elif key == "backoff":
                 self.backoff(**value)
-            elif key == "scheduled_at":
-                self.scheduled_at(value)
-            elif key == "max_retries":
-                self.max_retries(value)
-            elif value is not None or key in ("timeout",):
+            elif key in ("max_retries", "scheduled_at", "timeout") or (
+                value is not None and key in ("priority", "delay", "idempotency_key")
+            ):
+                getattr(self, key)(value)  # the setter of that name checks the value
+            elif value is not None:
                 self._opts[key] = value
         return self
 
     def build(self) -> Envelope:
-        """The signed envelope this builder describes."""
+        """The signed envelope this builder describes, checked as ``dispatch()`` sends it.
+
+        Sends ``job_dispatching`` first (so a ``build()`` that is never dispatched sends it too):
+        its receivers may change the priority, delay or timeout, or cancel the job, which raises
+        :class:`~django_jobs.exceptions.DispatchCancelled`.
+        """
         opts = self._opts
         queue = opts.get("queue") or conf.default_queue()
         if queue not in conf.queues():
             raise UnknownQueue(f"queue {queue!r} is not in JOBS['QUEUES'] ({', '.join(conf.queues())})")
         _check_idempotency_key(opts.get("idempotency_key"))
-        text = dumps_payload(self._payload)
+        text = self._encoded()
         if _ESCAPED_NUL.search(text):
             raise InvalidPayload("payload contains U+0000, which PostgreSQL cannot store; encode binary data")
         if len(text) > conf.get("MAX_MESSAGE_BYTES"):  # cheap early refusal; the whole message is checked below
             raise InvalidPayload(f"payload of {len(text)} bytes exceeds JOBS['MAX_MESSAGE_BYTES']")
+        now = timezone.now()
+        priority: int = opts.get("priority", 0)
+        timeout: float | None = opts.get("timeout", conf.get("DEFAULT_TIMEOUT"))
+        available_at = _available_at(opts, now)
+        # Django matches a sender by identity: an interned key is the object a receiver's literal
+        # sender="command" is.
+        sender = self._function if self._function is not None else sys.intern(self._handler)
+        # No request is built when nobody listens (an empty receiver list is checked without a lock).
+        if job_dispatching.receivers and job_dispatching.has_listeners(sender):
+            request = DispatchRequest(self._handler, self._payload, queue, priority, timeout, available_at, now)
+            emit(job_dispatching, sender, request=request)
+            if request.cancelled:
+                raise DispatchCancelled(request.reason, self._handler)
+            priority, timeout, available_at = request._resolved(now, available_at)
         options = {k: opts[k] for k in ("backoff", "retry_on", "single_instance", "keep_result") if opts.get(k)}
         env = Envelope(
             id=new_id(),
             handler=self._handler,
             payload=self._payload,
             queue=queue,
-            priority=opts.get("priority", 0),
+            priority=priority,
             max_retries=opts.get("max_retries", conf.get("DEFAULT_MAX_RETRIES")),
             name=opts.get("name", ""),
             idempotency_key=opts.get("idempotency_key"),
-            timeout=opts.get("timeout", conf.get("DEFAULT_TIMEOUT")),
-            available_at=_available_at(opts),
+            timeout=timeout,
+            available_at=available_at,
             options=options,
         )
         env.signature = signing.sign(env)
@@ -197,6 +222,20 @@ class JobBuilder:
         if size > conf.get("MAX_MESSAGE_BYTES"):
             raise InvalidPayload(f"message of {size} bytes exceeds JOBS['MAX_MESSAGE_BYTES']")
         return env
+
+    def _encoded(self) -> str:
+        """The payload's JSON, its dict keys all str; for a @job call, a refusal names the
+        argument at fault."""
+        try:
+            text = dumps_payload(self._payload)
+            # A @job payload and its kwargs are dicts with str keys (Python keywords are str).
+            check_keys(self._payload, text, str_keyed=0 if self._function is None else 2)
+            return text
+        except InvalidPayload as exc:
+            named = self._function.argument_problem(self._payload) if self._function is not None else None
+            if named is None:
+                raise
+            raise InvalidPayload(named) from exc
 
     @property
     def backend_name(self) -> str | None:
@@ -209,8 +248,7 @@ class JobBuilder:
         return env.id
 
 
-def _available_at(opts: dict[str, Any]) -> datetime | None:
-    now: datetime = timezone.now()
+def _available_at(opts: dict[str, Any], now: datetime) -> datetime | None:
     if opts.get("scheduled_at") is not None:
         # Checked again here: a builder may be dispatched long after scheduled_at() was called.
         return _check_schedule(opts["scheduled_at"], now)
@@ -225,6 +263,20 @@ def _delay_seconds(delay: float | timedelta) -> float:
     return check_delay(delay.total_seconds() if isinstance(delay, timedelta) else delay, "delay")
 
 
+def _check_priority(value: object) -> int:
+    """A ``priority`` option: an int (``True`` is not a priority)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"priority must be an int, not {type(value).__name__}")
+    return value
+
+
+def _check_timeout(value: float | None) -> float | None:
+    """A ``timeout`` option: ``None``, or seconds as for a delay (0: no limit). Kept as given."""
+    if value is not None:
+        check_delay(value, "timeout")
+    return value
+
+
 def _check_schedule(when: datetime, now: datetime) -> datetime:
     """``scheduled_at`` may lie in the past (the job is due at once), but not more than
     ``MAX_DELAY_SECONDS`` ahead."""
@@ -233,6 +285,86 @@ def _check_schedule(when: datetime, now: datetime) -> datetime:
             f"scheduled_at {when.isoformat()} is too far ahead: at most {MAX_DELAY_SECONDS} seconds (365 days)"
         )
     return when
+
+
+class DispatchRequest:
+    """A job about to be sent, as ``job_dispatching`` receivers get it (``request=``).
+
+    ``handler``, ``payload`` and ``queue`` are read-only (the payload is already encoded: do not
+    change it in place). ``priority``, ``delay`` (seconds from now until the job is due, ``None``
+    for at once) and ``timeout`` may be set; ``cancel(reason)`` stops the dispatch. New values are
+    checked as the builder checks its own once every receiver has run: a bad one makes the
+    dispatch raise (a receiver's own exception is only logged).
+    """
+
+    __slots__ = ("_delay", "_delay_set", "_handler", "_payload", "_queue", "_reason", "priority", "timeout")
+
+    def __init__(
+        self,
+        handler: str,
+        payload: Any,
+        queue: str,
+        priority: int,
+        timeout: float | None,
+        available_at: datetime | None,
+        now: datetime,
+    ) -> None:
+        self._handler, self._payload, self._queue = handler, payload, queue
+        self.priority: int = priority
+        self.timeout: float | None = timeout
+        self._delay: float | timedelta | None = (
+            None if available_at is None else max((available_at - now).total_seconds(), 0.0)
+        )
+        self._delay_set = False
+        self._reason: str | None = None
+
+    @property
+    def handler(self) -> str:
+        """The handler key (a ``@job`` function's dotted path, or a ``JOBS["HANDLERS"]`` key)."""
+        return self._handler
+
+    @property
+    def payload(self) -> Any:
+        """The payload as it will be sent (``{"args": [...], "kwargs": {...}}`` for a ``@job``)."""
+        return self._payload
+
+    @property
+    def queue(self) -> str:
+        return self._queue
+
+    @property
+    def delay(self) -> float | timedelta | None:
+        """Seconds until the job is due (``None``: at once). Setting it replaces ``scheduled_at``."""
+        return self._delay
+
+    @delay.setter
+    def delay(self, seconds: float | timedelta | None) -> None:
+        self._delay, self._delay_set = seconds, True
+
+    def cancel(self, reason: str = "") -> None:
+        """Send nothing: ``dispatch()`` raises ``DispatchCancelled(reason)``; ``Jobs.bulk`` leaves it out."""
+        self._reason = reason
+
+    @property
+    def cancelled(self) -> bool:
+        return self._reason is not None
+
+    @property
+    def reason(self) -> str:
+        """Why it was cancelled (``""`` when not, or when no reason was given)."""
+        return self._reason or ""
+
+    def _resolved(self, now: datetime, available_at: datetime | None) -> tuple[int, float | None, datetime | None]:
+        """The priority, timeout and due time to send, each checked as the builder checks it."""
+        try:
+            priority = _check_priority(self.priority)
+            timeout = _check_timeout(self.timeout)
+            if self._delay_set:
+                delay = self._delay
+                available_at = None if delay is None else now + timedelta(seconds=_delay_seconds(delay))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"a job_dispatching receiver set a bad value: {exc}") from exc
+        return priority, timeout, available_at
 
 
 # The Job table's column holds this many characters; longer keys are refused at dispatch.
@@ -265,9 +397,15 @@ class Jobs:
         """Dispatch many jobs at once (one INSERT on the database backend); returns their ids.
 
         Every job goes to ``backend`` (default: the default backend); per-builder backends
-        are ignored so a batch stays one round trip.
+        are ignored so a batch stays one round trip. A job that a ``job_dispatching`` receiver
+        cancels is left out: the ids are those of the jobs sent.
         """
-        envelopes = [builder.build() for builder in jobs]
+        envelopes = []
+        for builder in jobs:
+            try:
+                envelopes.append(builder.build())
+            except DispatchCancelled:
+                continue
         if envelopes:
             get_backend(backend).submit(envelopes)
         return [e.id for e in envelopes]
@@ -294,17 +432,34 @@ class JobFunction(Generic[P, R]):
 
     def check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Refuse at dispatch what would only fail in the worker: arguments that do not fit the
-        function's signature, and a function no worker process can import by its dotted path."""
-        if "<locals>" in self.func.__qualname__ or self.func.__module__ == "__main__":
-            raise TypeError(
-                f"{self.key} cannot be dispatched: a worker imports jobs by their dotted path, and a "
-                "function defined inside another function or in __main__ has none; define it at the "
-                "top level of an app's jobs module or of a module listed in JOBS['IMPORTS']"
-            )
+        function's signature, and a function no worker process imports (see :func:`_check_importable`)."""
+        if self not in _importable:
+            _check_importable(self)
         try:
             self.signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise TypeError(f"{self.key}(): {exc}") from None
+
+    def argument_problem(self, payload: Any) -> str | None:
+        """Which argument of a refused ``{"args", "kwargs"}`` payload cannot travel as JSON, and
+        what to pass instead; ``None`` when no argument is at fault."""
+        try:
+            bound = self.signature.bind(*payload["args"], **payload["kwargs"])
+        except (TypeError, KeyError):
+            return None
+        for name, value in bound.arguments.items():
+            kind = self.signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:  # each extra keyword is an argument of its own
+                named = list(value.items())
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                named = [(f"{name}[{index}]", item) for index, item in enumerate(value)]
+            else:
+                named = [(name, value)]
+            for label, item in named:
+                problem = payload_problem(item, label)
+                if problem is not None:
+                    return f"{self.key}(): {_describe_argument(label, item, problem)}"
+        return None
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.func(*args, **kwargs)
@@ -348,6 +503,7 @@ class BoundJob(Generic[P, R]):
         """A :class:`JobBuilder` for this call, not yet sent (e.g. for ``Jobs.bulk``)."""
         self.function.check_call(args, kwargs)
         builder = JobBuilder(self.function.key, {"args": list(args), "kwargs": kwargs})
+        builder._function = self.function
         options: JobOptions = {"name": self.function.key, **self.options}
         return builder.options(**options)
 
@@ -359,6 +515,87 @@ class BoundJob(Generic[P, R]):
     def dispatch(self, *args: P.args, **kwargs: P.kwargs) -> str:
         """Enqueue a call; returns the job id."""
         return self.builder(*args, **kwargs).dispatch()
+
+
+def _describe_argument(label: str, value: Any, problem: PayloadProblem) -> str:
+    """``argument 'user' (a User) is not JSON-serialisable; pass user.pk and load it in the job``."""
+    if problem.is_key:
+        return f"argument {label!r} has a dict key that is not a str: {problem.text}; use str keys"
+    if isinstance(problem.culprit, float):  # NaN or Infinity: the text says so
+        return f"argument {label!r} is not JSON-serialisable: {problem.text}"
+    if problem.where == label:
+        what = f"argument {label!r} ({a_type(value)}) is not JSON-serialisable"
+    else:
+        what = f"argument {label!r} is not JSON-serialisable: {problem.text}"
+    if hasattr(problem.culprit, "pk"):  # a model instance: its id travels, the job loads it
+        return f"{what}; pass {problem.where}.pk and load it in the job"
+    return f"{what}; pass JSON values (str, int, float, bool, None, and lists and str-keyed dicts of them)"
+
+
+# -- which modules a worker imports -----------------------------------------------------------------
+
+# @job functions found importable by a worker, for the current settings (forgotten when
+# JOBS, INSTALLED_APPS or TASKS change): the check runs once per function.
+_importable: set[JobFunction[Any, Any]] = set()
+
+
+def _forget_importable(*, setting: str, **kwargs: Any) -> None:
+    if setting in ("JOBS", "INSTALLED_APPS", "TASKS"):
+        _importable.clear()
+
+
+setting_changed.connect(_forget_importable)
+
+
+def _check_importable(function: JobFunction[Any, Any]) -> None:
+    """Refuse a ``@job`` function a worker would not know: a worker registers jobs by importing
+    modules, and runs only what those imports registered.
+
+    A function is importable when its module is an installed app's ``jobs`` module (or under it),
+    in (or under) ``JOBS["IMPORTS"]``, an app's ``tasks`` module (or under it) when ``TASKS`` uses
+    django-jobs' backend, or when one of those modules holds it as an attribute (a re-export:
+    ``from .emails import send_welcome`` in ``jobs.py``). The answer is kept per function.
+    """
+    module = function.func.__module__
+    if "<locals>" in function.func.__qualname__ or module == "__main__":
+        raise TypeError(
+            f"{function.key} cannot be dispatched: a worker imports jobs by their dotted path, and a "
+            "function defined inside another function or in __main__ has none; define it at the "
+            "top level of an app's jobs module or of a module listed in JOBS['IMPORTS']"
+        )
+    if not apps.ready:
+        return  # which modules are apps' is not known yet; checked on a later dispatch
+    roots = _worker_modules()
+    in_place = any(module == root or module.startswith(f"{root}.") for root in roots)
+    if not in_place and not _reexported(function, roots):
+        app = apps.get_containing_app_config(module)
+        where = f"{app.name.replace('.', '/')}/jobs.py" if app is not None else "<app>/jobs.py"
+        raise TypeError(
+            f"{function.key} cannot be dispatched: a worker would not import its module {module!r}, so it "
+            f"would not know this job; move the function to {where} (an installed app's jobs module) or "
+            f"add {module!r} to JOBS['IMPORTS']"
+        )
+    _importable.add(function)
+
+
+def _worker_modules() -> list[str]:
+    """The modules a worker imports before its first fetch (and whose submodules count)."""
+    configs = apps.get_app_configs()
+    roots = [f"{config.name}.jobs" for config in configs]
+    if registry.tasks_use_django_jobs():
+        roots += [f"{config.name}.tasks" for config in configs]
+    return roots + conf.names("IMPORTS")
+
+
+def _reexported(function: JobFunction[Any, Any], roots: list[str]) -> bool:
+    """Whether a module a worker imports holds ``function`` (imported there from elsewhere).
+    Those modules are imported here first, as a worker imports them."""
+    registry.autodiscover()
+    return any(
+        any(value is function for value in vars(module).values())
+        for module in (sys.modules.get(root) for root in roots)
+        if module is not None
+    )
 
 
 def _warn_build_renamed() -> None:

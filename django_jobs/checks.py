@@ -152,6 +152,7 @@ RULES: dict[str, tuple[str, Rule]] = {
     "QUEUE_HANDLERS": ("E011", _queue_handlers),
     "ALLOWED_SHELL_COMMANDS": ("E011", _names()),
     "ALLOWED_COMMANDS": ("E011", _names()),
+    "ALLOWED_EVENTS": ("E011", _names()),
     "URL_ALLOW_PRIVATE_NETWORKS": ("E011", _boolean),
     "IMPORTS": ("E010", _names()),
     "POLL_INTERVAL": ("E004", _number()),

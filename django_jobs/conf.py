@@ -15,6 +15,7 @@ BUILTIN_HANDLERS: dict[str, str] = {
     "command": "django_jobs.handlers.CommandHandler",
     "shell": "django_jobs.handlers.ShellHandler",
     "url": "django_jobs.handlers.UrlHandler",
+    "event": "django_jobs.handlers.EventHandler",
 }
 
 DEFAULTS: dict[str, Any] = {
@@ -40,6 +41,8 @@ DEFAULTS: dict[str, Any] = {
     "ALLOWED_SHELL_COMMANDS": [],
     # Management commands the command handler may run; empty (the default) permits none.
     "ALLOWED_COMMANDS": [],
+    # Event names the event handler may send (job_event); empty (the default) permits none.
+    "ALLOWED_EVENTS": [],
     # The url handler refuses loopback/private/link-local targets unless this is True.
     "URL_ALLOW_PRIVATE_NETWORKS": False,
     "IMPORTS": [],

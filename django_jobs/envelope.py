@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import UTC, datetime
-from typing import Any
+from itertools import chain
+from typing import Any, NamedTuple
 
 from . import conf
 from .exceptions import InvalidPayload
@@ -18,11 +20,114 @@ def new_id() -> str:
 
 
 def dumps_payload(payload: Any) -> str:
-    """JSON-encode a payload, refusing anything JSON cannot carry (and NaN/Infinity)."""
+    """JSON-encode a payload (or a kept result), refusing anything JSON cannot carry (NaN and
+    Infinity included) with the path of the value at fault. Dict keys that JSON turns into
+    strings are :func:`check_keys`' business."""
     try:
         return json.dumps(payload, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
-        raise InvalidPayload(f"job payload is not JSON-serialisable: {exc}") from exc
+    except (TypeError, ValueError, RecursionError) as exc:
+        problem = payload_problem(payload, "payload")
+        raise InvalidPayload(f"job payload is not JSON-serialisable: {problem.text if problem else exc}") from exc
+
+
+def check_keys(payload: Any, text: str, str_keyed: int = 0) -> None:
+    """Refuse a payload with a dict key that is not a str: JSON would turn the key ``1`` into
+    ``"1"`` without a word, and the job would get another dict.
+
+    ``text`` is the payload's JSON (from :func:`dumps_payload`), and ``str_keyed`` dicts of it are
+    known to have str keys (a ``@job`` payload and its kwargs: 2). Every dict writes a ``{``, so a
+    text with no more of them holds no other dict: nothing to look at. Otherwise a payload that is
+    fine costs one more look at its containers; only a refused one is walked again, to name the key.
+    """
+    if text.count("{") > str_keyed and _has_non_str_key(payload):
+        problem = payload_problem(payload, "payload")
+        raise InvalidPayload(f"job payload has a dict key that is not a str: {problem.text if problem else ''}")
+
+
+# What json.dumps writes as it is; everything else is a container to look into, or not JSON.
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_STR_ONLY = frozenset({str})
+_CONTAINERS = (dict, list, tuple)
+
+
+def _has_non_str_key(value: Any) -> bool:
+    """Whether a dict inside ``value`` (a value json.dumps accepted) has a key that is not a str.
+
+    Level by level, so the keys and values of every dict at one depth are looked at in C
+    (``set(map(type, ...))``); Python only picks out the containers of the next level.
+    """
+    level = [value] if isinstance(value, _CONTAINERS) else []
+    while level:
+        dicts = [item for item in level if isinstance(item, dict)]
+        if dicts:
+            key_types = set(map(type, chain.from_iterable(dicts)))
+            if not key_types <= _STR_ONLY and not all(issubclass(kind, str) for kind in key_types):
+                return True
+            children = list(chain.from_iterable(map(dict.values, dicts)))
+            if len(dicts) < len(level):
+                children += chain.from_iterable([item for item in level if not isinstance(item, dict)])
+        else:
+            children = list(chain.from_iterable(level))
+        if set(map(type, children)) <= _SCALARS:
+            return False
+        level = [child for child in children if type(child) not in _SCALARS and isinstance(child, _CONTAINERS)]
+    return False
+
+
+class PayloadProblem(NamedTuple):
+    """Why a value cannot travel as JSON: ``text`` says where and why (``"payload['user'] is a
+    User"``); ``where`` is the path of ``culprit``, the offending value, or key when ``is_key``."""
+
+    text: str
+    where: str
+    culprit: Any
+    is_key: bool
+
+
+# Deeper than json.dumps goes (it stops at the interpreter's recursion limit); a path this long
+# would only hide the problem.
+_DEEPEST = 1000
+
+
+def payload_problem(value: Any, path: str) -> PayloadProblem | None:
+    """The first place where ``value`` (named ``path``) is not a JSON value with str keys, or
+    ``None``. For error messages only: it walks the whole value in Python."""
+    seen: set[int] = set()
+    pending: list[tuple[Any, str, int]] = [(value, path, 0)]
+    while pending:
+        item, where, depth = pending.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return PayloadProblem(f"{where} is {item!r} (JSON has no NaN or Infinity)", where, item, False)
+        if isinstance(item, (str, int, float, type(None))):
+            continue
+        if not isinstance(item, (dict, list, tuple)):
+            return PayloadProblem(f"{where} is {a_type(item)}", where, item, False)
+        if id(item) in seen or depth >= _DEEPEST:  # shared, circular or too deep: json.dumps says why
+            continue
+        seen.add(id(item))
+        if isinstance(item, dict):
+            for key in item:
+                if not isinstance(key, str):
+                    return PayloadProblem(_key_problem(key, where), where, key, True)
+            children = [(child, f"{where}[{key!r}]", depth + 1) for key, child in item.items()]
+        else:
+            children = [(child, f"{where}[{index}]", depth + 1) for index, child in enumerate(item)]
+        pending.extend(reversed(children))  # depth first and in order: the first problem is named
+    return None
+
+
+def _key_problem(key: Any, where: str) -> str:
+    try:
+        [converted] = json.loads(json.dumps({key: None}))
+    except TypeError:
+        return f"{where} has the key {key!r} ({a_type(key)}): JSON object keys are strings"
+    return f"{where} has the key {key!r} ({a_type(key)}), which JSON would turn into {converted!r}"
+
+
+def a_type(value: Any) -> str:
+    """``"a User"``, ``"an int"``: the type of ``value``, for messages (``u`` reads "you": a UUID)."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeio' else 'a'} {name}"
 
 
 @dataclass(slots=True)

@@ -33,6 +33,21 @@ class UnknownQueue(JobsError, ValueError):
     """A job was dispatched to a queue that is not listed in ``JOBS["QUEUES"]``."""
 
 
+class DispatchCancelled(JobsError):
+    """A ``job_dispatching`` receiver cancelled the dispatch: nothing was sent.
+
+    ``reason`` is what the receiver gave to ``request.cancel(reason)``; ``handler`` the job's
+    handler key.
+    """
+
+    def __init__(self, reason: str, handler: str = "") -> None:
+        super().__init__(reason, handler)
+        self.reason, self.handler = reason, handler
+
+    def __str__(self) -> str:
+        return f"dispatch of {self.handler or 'a job'} was cancelled: {self.reason or 'no reason given'}"
+
+
 class WorkerLost(JobsError):
     """The lease expired while the job was running: its worker crashed or stalled."""
 

@@ -1,4 +1,4 @@
-"""Built-in handlers: Django management commands and allowlisted programs."""
+"""Built-in handlers: management commands, allowlisted programs, URLs and named events."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from django.core.management import call_command
 
 from . import conf
 from .exceptions import HandlerNotAllowed, InvalidPayload
+from .signals import emit, job_event
 
 if TYPE_CHECKING:
     from .pipeline import JobContext
@@ -44,6 +45,30 @@ class CommandHandler:
         if name not in conf.names("ALLOWED_COMMANDS"):  # a str setting is refused, never a substring test
             raise HandlerNotAllowed(f"management command {name!r} is not in JOBS['ALLOWED_COMMANDS']")
         call_command(name, *args, **options)
+
+
+class EventHandler:
+    """Sends the ``job_event`` signal in the worker. Payload: ``{"name": str, "payload": any JSON}``
+    (``payload`` may be left out: ``None``).
+
+    ``JOBS["ALLOWED_EVENTS"]`` lists the permitted names, compared exactly; empty (the default)
+    permits nothing. The sender is this class, so ``@receiver(job_event, sender=EventHandler)``
+    hears every event; receivers tell them apart by ``name``. A receiver that raises is logged
+    and counted (``jobs_signal_errors``), and the job still succeeds.
+    """
+
+    def handle(self, context: JobContext) -> None:
+        payload = context.payload
+        if (
+            not isinstance(payload, dict)
+            or not isinstance(payload.get("name"), str)
+            or set(payload) - {"name", "payload"}
+        ):
+            raise InvalidPayload("event payload must be {'name': str, 'payload': any JSON}")
+        name = payload["name"]
+        if name not in conf.names("ALLOWED_EVENTS"):  # a str setting is refused, never a substring test
+            raise HandlerNotAllowed(f"event {name!r} is not in JOBS['ALLOWED_EVENTS']")
+        emit(job_event, type(self), name=name, payload=payload.get("payload"))
 
 
 class ShellHandler:

@@ -1,9 +1,11 @@
 """Signals sent around a job's life, in the Django idiom (``@receiver(job_failed)``).
 
 ``sender`` is the job's handler: the ``@job`` function itself (``@receiver(job_failed,
-sender=send_invoice)``), or the handler object of a ``JOBS["HANDLERS"]`` key. For
-``job_dispatching`` it is the ``@job`` function, or the handler key (a str) for
-``Jobs.define(...)``; for ``job_reaped`` and ``job_rejected`` it is the backend.
+sender=send_invoice)``), or the handler object of a ``JOBS["HANDLERS"]`` key (for a class, the
+instance made for the delivery). For ``job_dispatching`` it is the ``@job`` function, or the
+handler key (a str) for ``Jobs.define(...)``; for ``job_dead_lettered`` of a job failed without
+running, the handler key; for ``job_reaped`` and ``job_rejected`` the backend; for ``job_event``
+the :class:`~django_jobs.handlers.EventHandler` class. docs/signals.md describes each one.
 
 A receiver that raises is logged and counted (``jobs_signal_errors``); it never breaks a
 dispatch or a worker.
@@ -20,8 +22,9 @@ from .metrics import get_collector
 
 logger = logging.getLogger("django_jobs.signals")
 
-#: Before a job is sent. ``request`` (:class:`~django_jobs.api.DispatchRequest`) may be changed:
-#: ``priority``, ``delay``, ``timeout``, or ``cancel(reason)``.
+#: Before a job is sent, from ``JobBuilder.build()``. ``request``
+#: (:class:`~django_jobs.api.DispatchRequest`) may be changed: ``priority``, ``delay``,
+#: ``timeout``, or ``cancel(reason)``. Not sent at all while no receiver is connected.
 job_dispatching = Signal()
 #: A worker is about to run an attempt: ``envelope``, ``attempt``, ``context``.
 job_started = Signal()
@@ -36,7 +39,7 @@ job_dead_lettered = Signal()
 job_reaped = Signal()
 #: A message was refused without running: ``message_id``, ``queue``, ``reason``.
 job_rejected = Signal()
-#: The built-in ``event`` handler ran: ``name``, ``payload``.
+#: The built-in ``event`` handler ran an allowed event: ``name``, ``payload``.
 job_event = Signal()
 
 _NAMES = {
