@@ -303,9 +303,9 @@ class DeliveryPipeline:
         can = has_retries_left(env.attempts, env.max_retries) and self.backend.supports_retry
         retry = can and self._may_retry(d, exc)
         votes = emit(job_failed, d.handler, envelope=env, attempt=d.attempt, exception=exc, will_retry=retry)
-        if False in votes:
+        if any(vote is False for vote in votes):
             retry = False
-        elif True in votes and can and not isinstance(exc, PERMANENT_ERRORS):
+        elif any(vote is True for vote in votes) and can and not isinstance(exc, PERMANENT_ERRORS):
             retry = True
         outcome, delay = Outcome.DEAD_LETTERED, 0.0
         if retry:

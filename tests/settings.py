@@ -128,6 +128,8 @@ JOBS = {
     "POLL_INTERVAL": 0.05,
     # The command handler runs only allowlisted management commands (tests/integration/test_api.py runs it).
     "ALLOWED_COMMANDS": ["clearsessions"],
+    # Modules of @job functions the tests dispatch, outside tests/testapp/jobs.py.
+    "IMPORTS": ["tests.api_support"],
 }
 # django.tasks on django-jobs: one TASKS alias per JOBS backend the task tests run on
 # (tests/testapp/tasks.py defines the tasks; worker subprocesses find them by autodiscovery).

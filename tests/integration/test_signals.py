@@ -399,11 +399,6 @@ def test_a_receiver_returning_true_overrules_a_handlers_can_retry(case, queue_ba
     assert [call for call in GiveUpHandler.calls if call[0] == "run"] == [("run", 1), ("run", 2), ("run", 3)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DeliveryPipeline._failed counts votes with `False in votes`, which 0 (== False) matches; "
-    "the fix compares by identity: any(vote is False ...), any(vote is True ...)",
-)
 @pytest.mark.parametrize("case", [WORKER_CASES[0]], indirect=True)
 def test_only_true_and_false_vote_not_values_equal_to_them(case, queue_backend):
     key = unique("zero")
