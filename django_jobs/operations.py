@@ -13,7 +13,7 @@ from django.db import router
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from . import conf, signing
+from . import conf, history, signing
 from .backends import get_backend
 from .backends.database import DatabaseBackend
 from .envelope import Envelope
@@ -139,6 +139,8 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
         except ImproperlyConfigured as exc:
             outcome.errors.append(f"job {row.pk} was not retried: {exc}")
             continue
+        # The next round's attempts are numbered from 1 again: bound the history kept from before.
+        history.trim(row.pk, using=row._state.db)
         if isinstance(backend, DatabaseBackend):
             reset = (
                 Job.objects.using(backend.alias)

@@ -82,6 +82,12 @@ def _row_fields(row: tuple[Any, ...], queue: str) -> dict[str, Any]:
     return data
 
 
+def _new_lease() -> tuple[datetime, str, datetime]:
+    """Now, a fresh owner token, and the lease's expiry."""
+    now = timezone.now()
+    return now, secrets.token_hex(16), now + timedelta(seconds=conf.get("LEASE_TIMEOUT"))
+
+
 class DatabaseBackend(QueueBackend):
     """Jobs as rows of ``django_jobs_job`` in the database ``OPTIONS["DATABASE"]``."""
 
@@ -92,6 +98,9 @@ class DatabaseBackend(QueueBackend):
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
         self.alias = self.history_alias = options.get("DATABASE", DEFAULT_DB_ALIAS)
+        # One statement (PostgreSQL) or one transaction (SQLite) acks a job and claims the next.
+        # (The connection's vendor is known without connecting.)
+        self.pipelines_ack_fetch = connections[self.alias].vendor in ("postgresql", "sqlite")
 
     # -- helpers --
 
@@ -143,14 +152,43 @@ class DatabaseBackend(QueueBackend):
         return [e.id for e in envelopes]
 
     def fetch(self, queue: str) -> Lease | None:
-        now = timezone.now()
-        owner = secrets.token_hex(16)
-        expires = now + timedelta(seconds=conf.get("LEASE_TIMEOUT"))
+        now, owner, expires = _new_lease()
         vendor = self._conn.vendor
         if vendor in ("postgresql", "sqlite"):
             row = self._claim_returning(queue, owner, now, expires, vendor)
         else:
             row = self._claim_orm(queue, owner, now, expires)
+        return self._leased(row, owner, expires, queue)
+
+    def ack_and_fetch(self, lease: Lease, queue: str) -> Lease | None:
+        """Ack ``lease`` and claim the next job of ``queue``: one statement on PostgreSQL, one
+        transaction (one commit) on SQLite. A lost lease raises ``LeaseLost`` and claims nothing."""
+        vendor = self._conn.vendor
+        if vendor == "sqlite":
+            with transaction.atomic(using=self.alias):
+                self.ack(lease)
+                now, owner, expires = _new_lease()
+                row = self._claim_returning(queue, owner, now, expires, vendor)
+            return self._leased(row, owner, expires, queue)
+        if vendor != "postgresql":
+            return super().ack_and_fetch(lease, queue)
+        now, owner, expires = _new_lease()
+        done, params = self._ack_assignments(lease)
+        sql = (
+            f"WITH done AS (UPDATE {TABLE} SET {done}, owner_token = NULL, leased_until = NULL, updated_at = %s "
+            f"WHERE id = %s AND owner_token = %s AND status = 'in_progress' RETURNING 1), "
+            f"next AS ({self._claim_sql(vendor, only_if='EXISTS (SELECT 1 FROM done)')}) "
+            f"SELECT (SELECT count(*) FROM done), next.* FROM (SELECT 1) AS one LEFT JOIN next ON TRUE"
+        )
+        adapted_now = self._adapt(now)
+        claim = [owner, self._adapt(expires), adapted_now, queue, adapted_now]
+        _, reply = self._execute(sql, [*params, adapted_now, lease.token, lease.owner_token, *claim])
+        if not reply[0]:
+            raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
+        row = reply[1:] if reply[1] is not None else None
+        return self._leased(row, owner, expires, queue)
+
+    def _leased(self, row: Any, owner: str, expires: datetime, queue: str) -> Lease | None:
         if row is None:
             return None
         lease = Lease(token=row[0], owner_token=owner, expires_at=expires, queue=queue, raw=row)
@@ -160,19 +198,25 @@ class DatabaseBackend(QueueBackend):
             lease.error = exc
         return lease
 
-    def _claim_returning(self, queue: str, owner: str, now: datetime, expires: datetime, vendor: str) -> Any:
+    @staticmethod
+    def _claim_sql(vendor: str, only_if: str = "TRUE") -> str:
+        """The claim: one UPDATE of the next due row, returning its envelope columns.
+        Parameters: owner, leased_until, updated_at, queue, now."""
         if vendor == "postgresql":
             lock, returned = "FOR UPDATE SKIP LOCKED", RETURNED.format(payload="payload::text", options="options::text")
         else:
             lock, returned = "", RETURNED.format(payload="payload", options="options")
         # Statuses are literals, not parameters, so the planner matches the partial index.
-        sql = (
+        return (
             f"UPDATE {TABLE} SET status = 'in_progress', owner_token = %s, leased_until = %s, updated_at = %s "
-            f"WHERE status = 'pending' AND id = ("
+            f"WHERE status = 'pending' AND {only_if} AND id = ("
             f"SELECT id FROM {TABLE} WHERE status = 'pending' AND queue = %s AND available_at <= %s "
             f"ORDER BY priority DESC, available_at, id LIMIT 1 {lock}) RETURNING {returned}"
         )
-        _, row = self._execute(sql, [owner, self._adapt(expires), self._adapt(now), queue, self._adapt(now)])
+
+    def _claim_returning(self, queue: str, owner: str, now: datetime, expires: datetime, vendor: str) -> Any:
+        adapted_now = self._adapt(now)
+        _, row = self._execute(self._claim_sql(vendor), [owner, self._adapt(expires), adapted_now, queue, adapted_now])
         return row
 
     def _claim_orm(self, queue: str, owner: str, now: datetime, expires: datetime) -> Any:
@@ -205,12 +249,15 @@ class DatabaseBackend(QueueBackend):
         )
 
     def ack(self, lease: Lease, *, count_run: bool = True) -> None:
+        self._settle(lease, *self._ack_assignments(lease, count_run))
+
+    def _ack_assignments(self, lease: Lease, count_run: bool = True) -> tuple[str, list[Any]]:
         assignments = "status = 'completed', attempts = attempts + %s, finished_at = %s"
         params = [int(count_run), self._adapt(timezone.now())]
         if lease.result is not NO_RESULT:  # a keep_result job's value: kept in the same statement
             assignments += ", result = %s"
             params.append(_RESULT.get_db_prep_save(lease.result, self._conn))
-        self._settle(lease, assignments, params)
+        return assignments, params
 
     def nack(self, lease: Lease, delay: float, *, error: str = "", count_run: bool = True) -> None:
         available = timezone.now() + timedelta(seconds=max(delay, 0))

@@ -14,6 +14,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_jobs import Jobs
+from django_jobs.history import attempts_of
 from django_jobs.models import Job
 from django_jobs.pool import WorkerPool
 from django_jobs.reaper import Reaper
@@ -174,6 +175,16 @@ def test_jobs_work_exits_non_zero_when_its_pool_gives_up():
 
 
 # -- jobs_retry ---------------------------------------------------------------------------------------
+
+
+def test_retry_keeps_the_newest_history_limit_attempts(failed_job):
+    job_id = failed_job(runs=3)
+    with override_settings(JOBS={**settings.JOBS, "HISTORY_LIMIT": 2}):
+        assert run("jobs_retry", job_id) == "retried 1 job(s)\n"
+        assert [a.attempt for a in attempts_of(job_id)] == [2, 3]
+        assert QueueWorker("default").process_once().job_id == job_id  # fails again: attempt 1
+        outcomes = [(a.attempt, a.outcome) for a in attempts_of(job_id)]
+        assert outcomes == [(2, "retrying"), (3, "failed"), (1, "retrying")]
 
 
 def test_retry_by_ids():

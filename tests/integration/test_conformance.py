@@ -860,3 +860,20 @@ def test_a_return_value_that_is_not_json_fails_a_job_that_keeps_its_result(monke
     row = Job.objects.get(pk=env.id)
     assert row.status == "failed" and "the job's return value cannot be kept" in row.last_error
     assert [a.error_class for a in history_of(backend, env.id)] == ["django_jobs.exceptions.InvalidPayload"]
+
+
+def test_the_run_loop_keeps_results_acked_together_with_the_next_fetch(queue_backend, backend_case):
+    require_queue(queue_backend)
+    envs = [
+        scripted.using(keep_result=True).builder(action=f"value-{n}", db=backend_case.side_effect_db).build()
+        for n in range(3)
+    ]
+    for env in envs:
+        queue_backend.enqueue(env)
+
+    # run() acks each job together with the fetch of the next where the backend can.
+    assert QueueWorker(queue_backend, ["default"]).run(max_jobs=3, reap=False) == 3
+
+    alias = getattr(queue_backend, "alias", "default")
+    results = dict(Job.objects.using(alias).filter(pk__in=[e.id for e in envs]).values_list("pk", "result"))
+    assert results == {env.id: f"value-{n}" for n, env in enumerate(envs)}
