@@ -101,6 +101,10 @@ class DatabaseBackend(QueueBackend):
         # One statement (PostgreSQL) or one transaction (SQLite) acks a job and claims the next.
         # (The connection's vendor is known without connecting.)
         self.pipelines_ack_fetch = connections[self.alias].vendor in ("postgresql", "sqlite")
+        # PostgreSQL: the worker's own statements (claims, settles, lease renewals) commit without
+        # waiting for the WAL flush. Dispatches stay durable. A database crash may undo the
+        # settles of its last moments; those jobs are then recovered as lost runs.
+        self.async_commit = bool(options.get("ASYNC_COMMIT", True))
 
     # -- helpers --
 
@@ -116,6 +120,20 @@ class DatabaseBackend(QueueBackend):
             cursor.execute(sql, params)
             return cursor.rowcount, (cursor.fetchone() if cursor.description else None)
 
+    def _execute_queue(self, sql: str, params: list[Any]) -> tuple[int, Any]:
+        """A claim, settle or renewal: on PostgreSQL in autocommit, its implicit transaction
+        commits asynchronously (``SET LOCAL`` after it, in the same simple-protocol query, so
+        it is still one round trip; never inside the caller's transaction)."""
+        conn = self._conn
+        if (
+            self.async_commit
+            and conn.vendor == "postgresql"
+            and not conn.in_atomic_block
+            and not conn.settings_dict.get("OPTIONS", {}).get("server_side_binding")
+        ):
+            sql += "; SET LOCAL synchronous_commit = off"
+        return self._execute(sql, params)
+
     def _settle(self, lease: Lease, assignments: str, params: list[Any]) -> None:
         """One fenced UPDATE: touches the row only while this lease still owns it."""
         now = timezone.now()
@@ -123,7 +141,7 @@ class DatabaseBackend(QueueBackend):
             f"UPDATE {TABLE} SET {assignments}, owner_token = NULL, leased_until = NULL, updated_at = %s "
             f"WHERE id = %s AND owner_token = %s AND status = 'in_progress'"
         )
-        count, _ = self._execute(sql, [*params, self._adapt(now), lease.token, lease.owner_token])
+        count, _ = self._execute_queue(sql, [*params, self._adapt(now), lease.token, lease.owner_token])
         if count != 1:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
 
@@ -182,7 +200,7 @@ class DatabaseBackend(QueueBackend):
         )
         adapted_now = self._adapt(now)
         claim = [owner, self._adapt(expires), adapted_now, queue, adapted_now]
-        _, reply = self._execute(sql, [*params, adapted_now, lease.token, lease.owner_token, *claim])
+        _, reply = self._execute_queue(sql, [*params, adapted_now, lease.token, lease.owner_token, *claim])
         if not reply[0]:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
         row = reply[1:] if reply[1] is not None else None
@@ -216,7 +234,8 @@ class DatabaseBackend(QueueBackend):
 
     def _claim_returning(self, queue: str, owner: str, now: datetime, expires: datetime, vendor: str) -> Any:
         adapted_now = self._adapt(now)
-        _, row = self._execute(self._claim_sql(vendor), [owner, self._adapt(expires), adapted_now, queue, adapted_now])
+        claim = [owner, self._adapt(expires), adapted_now, queue, adapted_now]
+        _, row = self._execute_queue(self._claim_sql(vendor), claim)
         return row
 
     def _claim_orm(self, queue: str, owner: str, now: datetime, expires: datetime) -> Any:
@@ -281,7 +300,7 @@ class DatabaseBackend(QueueBackend):
 
     def extend(self, lease: Lease, seconds: float) -> None:
         expires = timezone.now() + timedelta(seconds=seconds)
-        count, _ = self._execute(
+        count, _ = self._execute_queue(
             f"UPDATE {TABLE} SET leased_until = %s WHERE id = %s AND owner_token = %s AND status = 'in_progress'",
             [self._adapt(expires), lease.token, lease.owner_token],
         )

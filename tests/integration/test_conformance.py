@@ -877,3 +877,45 @@ def test_the_run_loop_keeps_results_acked_together_with_the_next_fetch(queue_bac
     alias = getattr(queue_backend, "alias", "default")
     results = dict(Job.objects.using(alias).filter(pk__in=[e.id for e in envs]).values_list("pk", "result"))
     assert results == {env.id: f"value-{n}" for n, env in enumerate(envs)}
+
+
+def _queue_statements(backend: QueueBackend) -> list[str]:
+    """The SQL of one fetch and one ack on ``backend``."""
+    backend.enqueue(scripted.builder(action="ok").build())
+    seen: list[str] = []
+
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    with connections["postgres"].execute_wrapper(record):
+        lease = backend.fetch("default")
+        assert lease is not None
+        backend.ack(lease)
+    return seen
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
+def test_postgres_queue_statements_commit_asynchronously_and_only_themselves(postgres_up):
+    seen = _queue_statements(get_backend("pg"))
+
+    assert len(seen) == 2 and all(sql.endswith("; SET LOCAL synchronous_commit = off") for sql in seen)
+    with connections["postgres"].cursor() as cursor:  # the session's own setting is untouched
+        cursor.execute("SHOW synchronous_commit")
+        assert cursor.fetchone()[0] == "on"
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(databases=ALL_DATABASES)
+def test_postgres_queue_statements_in_the_callers_transaction_stay_synchronous(postgres_up):
+    # The test's own transaction: a SET LOCAL would change how the caller's transaction commits.
+    assert not any("synchronous_commit" in sql for sql in _queue_statements(get_backend("pg")))
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
+def test_postgres_async_commit_can_be_turned_off(postgres_up):
+    config = {"ENGINE": "database", "OPTIONS": {"DATABASE": "postgres", "ASYNC_COMMIT": False}}
+    with override_settings(JOBS={**settings.JOBS, "BACKENDS": {**settings.JOBS["BACKENDS"], "pg": config}}):
+        assert not any("synchronous_commit" in sql for sql in _queue_statements(get_backend("pg")))
