@@ -222,12 +222,17 @@ class DatabaseBackend(QueueBackend):
         Parameters: owner, leased_until, updated_at, queue, now."""
         if vendor == "postgresql":
             lock, returned = "FOR UPDATE SKIP LOCKED", RETURNED.format(payload="payload::text", options="options::text")
+            # The row is locked and re-checked by the subquery: the outer UPDATE finds it by id
+            # alone (a status test there could lead the planner onto the status index, which
+            # walks every pending row when the table's statistics are stale).
+            pending = ""
         else:
             lock, returned = "", RETURNED.format(payload="payload", options="options")
+            pending = "status = 'pending' AND "
         # Statuses are literals, not parameters, so the planner matches the partial index.
         return (
             f"UPDATE {TABLE} SET status = 'in_progress', owner_token = %s, leased_until = %s, updated_at = %s "
-            f"WHERE status = 'pending' AND {only_if} AND id = ("
+            f"WHERE {pending}{only_if} AND id = ("
             f"SELECT id FROM {TABLE} WHERE status = 'pending' AND queue = %s AND available_at <= %s "
             f"ORDER BY priority DESC, available_at, id LIMIT 1 {lock}) RETURNING {returned}"
         )
