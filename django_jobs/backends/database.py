@@ -135,11 +135,15 @@ class DatabaseBackend(QueueBackend):
         return self._execute(sql, params)
 
     def _settle(self, lease: Lease, assignments: str, params: list[Any]) -> None:
-        """One fenced UPDATE: touches the row only while this lease still owns it."""
+        """One fenced UPDATE: touches the row only while this lease still owns it.
+
+        The fence is the owner token: a row has one only while it is ``in_progress`` (every
+        settle, the reaper and a retry clear it), so the statement tests the id and the token
+        alone and PostgreSQL finds the row by its primary key, never by the status index."""
         now = timezone.now()
         sql = (
             f"UPDATE {TABLE} SET {assignments}, owner_token = NULL, leased_until = NULL, updated_at = %s "
-            f"WHERE id = %s AND owner_token = %s AND status = 'in_progress'"
+            f"WHERE id = %s AND owner_token = %s"
         )
         count, _ = self._execute_queue(sql, [*params, self._adapt(now), lease.token, lease.owner_token])
         if count != 1:
@@ -194,7 +198,7 @@ class DatabaseBackend(QueueBackend):
         done, params = self._ack_assignments(lease)
         sql = (
             f"WITH done AS (UPDATE {TABLE} SET {done}, owner_token = NULL, leased_until = NULL, updated_at = %s "
-            f"WHERE id = %s AND owner_token = %s AND status = 'in_progress' RETURNING 1), "
+            f"WHERE id = %s AND owner_token = %s RETURNING 1), "
             f"next AS ({self._claim_sql(vendor, only_if='EXISTS (SELECT 1 FROM done)')}) "
             f"SELECT (SELECT count(*) FROM done), next.* FROM (SELECT 1) AS one LEFT JOIN next ON TRUE"
         )
@@ -306,7 +310,7 @@ class DatabaseBackend(QueueBackend):
     def extend(self, lease: Lease, seconds: float) -> None:
         expires = timezone.now() + timedelta(seconds=seconds)
         count, _ = self._execute_queue(
-            f"UPDATE {TABLE} SET leased_until = %s WHERE id = %s AND owner_token = %s AND status = 'in_progress'",
+            f"UPDATE {TABLE} SET leased_until = %s WHERE id = %s AND owner_token = %s",
             [self._adapt(expires), lease.token, lease.owner_token],
         )
         if count != 1:
