@@ -8,12 +8,15 @@ serialises writers. Other databases claim inside a transaction with the ORM's
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import secrets
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
+from weakref import WeakKeyDictionary
 
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, ProgrammingError, connections, transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
@@ -26,6 +29,10 @@ from ..retry import after_lost_run
 from .base import NO_RESULT, Lease, QueueBackend
 
 TABLE = Job._meta.db_table
+# The statements prepared on each PostgreSQL connection (the driver's connection -> names).
+_PREPARED: WeakKeyDictionary[Any, set[str]] = WeakKeyDictionary()
+UNKNOWN_PREPARED_STATEMENT = "26000"  # SQLSTATE invalid_sql_statement_name
+logger = logging.getLogger("django_jobs.backends.database")
 _RESULT = Job._meta.get_field("result")
 RETURNED = (
     "id, handler, {payload}, {options}, signature, name, attempts, max_retries, "
@@ -105,6 +112,10 @@ class DatabaseBackend(QueueBackend):
         # waiting for the WAL flush. Dispatches stay durable. A database crash may undo the
         # settles of its last moments; those jobs are then recovered as lost runs.
         self.async_commit = bool(options.get("ASYNC_COMMIT", True))
+        # PostgreSQL: the ack-and-claim statement is prepared once per connection, so the server
+        # plans it once (its planning costs about as much as running it). Off by itself after a
+        # failed EXECUTE (a pooler in transaction mode, which loses prepared statements).
+        self.prepare = bool(options.get("PREPARE", True))
 
     # -- helpers --
 
@@ -120,19 +131,43 @@ class DatabaseBackend(QueueBackend):
             cursor.execute(sql, params)
             return cursor.rowcount, (cursor.fetchone() if cursor.description else None)
 
-    def _execute_queue(self, sql: str, params: list[Any]) -> tuple[int, Any]:
+    def _execute_queue(self, sql: str, params: list[Any], *, prepare: bool = False) -> tuple[int, Any]:
         """A claim, settle or renewal: on PostgreSQL in autocommit, its implicit transaction
         commits asynchronously (``SET LOCAL`` after it, in the same simple-protocol query, so
-        it is still one round trip; never inside the caller's transaction)."""
+        it is still one round trip; never inside the caller's transaction). ``prepare``: run it
+        as a statement prepared on this connection."""
         conn = self._conn
-        if (
-            self.async_commit
-            and conn.vendor == "postgresql"
-            and not conn.in_atomic_block
-            and not conn.settings_dict.get("OPTIONS", {}).get("server_side_binding")
-        ):
-            sql += "; SET LOCAL synchronous_commit = off"
-        return self._execute(sql, params)
+        if conn.vendor != "postgresql" or conn.settings_dict.get("OPTIONS", {}).get("server_side_binding"):
+            return self._execute(sql, params)
+        suffix = "; SET LOCAL synchronous_commit = off" if self.async_commit and not conn.in_atomic_block else ""
+        if not (prepare and self.prepare) or conn.in_atomic_block:
+            return self._execute(sql + suffix, params)
+        name = self._prepared(sql, len(params))
+        try:
+            return self._execute(f"EXECUTE {name}({', '.join(['%s'] * len(params))}){suffix}", params)
+        except ProgrammingError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) != UNKNOWN_PREPARED_STATEMENT:
+                raise
+            # The session lost it: a pooler in transaction mode hands out other sessions.
+            logger.warning("prepared statement %s is gone on %r; no longer preparing", name, self.alias)
+            self.prepare = False
+            _PREPARED.pop(conn.connection, None)
+            return self._execute(sql + suffix, params)
+
+    def _prepared(self, sql: str, count: int) -> str:
+        """The name of ``sql`` prepared on this thread's connection (prepared now if needed)."""
+        conn = self._conn
+        conn.ensure_connection()
+        name = "django_jobs_" + hashlib.sha1(sql.encode(), usedforsecurity=False).hexdigest()[:16]
+        done = _PREPARED.setdefault(conn.connection, set())
+        if name not in done:
+            numbered = sql
+            for number in range(1, count + 1):
+                numbered = numbered.replace("%s", f"${number}", 1)
+            with conn.cursor() as cursor:
+                cursor.execute(f"PREPARE {name} AS {numbered}")
+            done.add(name)
+        return name
 
     def _settle(self, lease: Lease, assignments: str, params: list[Any]) -> None:
         """One fenced UPDATE: touches the row only while this lease still owns it.
@@ -204,7 +239,9 @@ class DatabaseBackend(QueueBackend):
         )
         adapted_now = self._adapt(now)
         claim = [owner, self._adapt(expires), adapted_now, queue, adapted_now]
-        _, reply = self._execute_queue(sql, [*params, adapted_now, lease.token, lease.owner_token, *claim])
+        _, reply = self._execute_queue(
+            sql, [*params, adapted_now, lease.token, lease.owner_token, *claim], prepare=True
+        )
         if not reply[0]:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
         row = reply[1:] if reply[1] is not None else None

@@ -919,3 +919,51 @@ def test_postgres_async_commit_can_be_turned_off(postgres_up):
     config = {"ENGINE": "database", "OPTIONS": {"DATABASE": "postgres", "ASYNC_COMMIT": False}}
     with override_settings(JOBS={**settings.JOBS, "BACKENDS": {**settings.JOBS["BACKENDS"], "pg": config}}):
         assert not any("synchronous_commit" in sql for sql in _queue_statements(get_backend("pg")))
+
+
+def _two_jobs_acked_together(backend: QueueBackend) -> list[str]:
+    """Enqueue two jobs, fetch one, ack it together with the fetch of the other; the SQL sent."""
+    for _ in range(2):
+        backend.enqueue(scripted.builder(action="ok").build())
+    seen: list[str] = []
+
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    lease = backend.fetch("default")
+    assert lease is not None
+    with connections["postgres"].execute_wrapper(record):
+        following = backend.ack_and_fetch(lease, "default")
+    assert following is not None
+    backend.ack(following)
+    return seen
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
+def test_postgres_ack_and_fetch_runs_a_statement_prepared_once_per_connection(postgres_up):
+    backend = get_backend("pg")
+    first = _two_jobs_acked_together(backend)
+    second = _two_jobs_acked_together(backend)
+
+    assert [sql.split()[0] for sql in first] in (["PREPARE", "EXECUTE"], ["EXECUTE"])
+    assert [sql.split()[0] for sql in second] == ["EXECUTE"]  # prepared already: run, not planned again
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
+def test_postgres_a_lost_prepared_statement_falls_back_to_plain_sql(postgres_up, caplog):
+    backend = get_backend("pg")
+    _two_jobs_acked_together(backend)
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")  # what a pooler in transaction mode does to us
+
+    try:
+        seen = _two_jobs_acked_together(backend)
+
+        assert seen[0].startswith("EXECUTE") and seen[-1].startswith("WITH done AS")
+        assert not backend.prepare and "no longer preparing" in caplog.text
+        assert Job.objects.using("postgres").filter(status="completed").count() == 4
+    finally:
+        backend.prepare = True  # the backend instance is cached for the other tests
