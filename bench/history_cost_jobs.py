@@ -18,3 +18,11 @@ def flaky(n: int) -> int:
         _failed.add(n)
         raise RuntimeError("first attempt fails")
     return n
+
+
+@job
+def stamp(sent: float) -> float:
+    """Returns how long after ``sent`` (``time.time()`` at dispatch) it started."""
+    import time
+
+    return time.time() - sent

@@ -8,6 +8,7 @@ serialises writers. Other databases claim inside a transaction with the ORM's
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -32,6 +33,7 @@ TABLE = Job._meta.db_table
 # The statements prepared on each PostgreSQL connection (the driver's connection -> names).
 _PREPARED: WeakKeyDictionary[Any, set[str]] = WeakKeyDictionary()
 UNKNOWN_PREPARED_STATEMENT = "26000"  # SQLSTATE invalid_sql_statement_name
+NO_WAIT = 0.001  # seconds: a listener's shortest wait for notifications
 logger = logging.getLogger("django_jobs.backends.database")
 _RESULT = Job._meta.get_field("result")
 RETURNED = (
@@ -116,6 +118,7 @@ class DatabaseBackend(QueueBackend):
         # plans it once (its planning costs about as much as running it). Off by itself after a
         # failed EXECUTE (a pooler in transaction mode, which loses prepared statements).
         self.prepare = bool(options.get("PREPARE", True))
+        self._listener: Any = None  # PostgreSQL: the connection an idle worker LISTENs on
 
     # -- helpers --
 
@@ -417,7 +420,44 @@ class DatabaseBackend(QueueBackend):
                 lost_run(self, job.pk, job.queue, job.attempts + 1, error, failed=delay is None)
         return reaped
 
+    def wait_for_work(self, queues: list[str], timeout: float) -> bool:
+        """PostgreSQL: block until a job is inserted (``NOTIFY django_jobs``, sent by a trigger
+        when the inserting transaction commits) or ``timeout`` passes. Other databases poll."""
+        if self._conn.vendor != "postgresql":
+            return False
+        try:
+            listener = self._listening()
+            # (psycopg waits without end for a timeout of 0: the shortest wait is a millisecond.
+            # Each notifies() holds the connection's lock until it ends: one at a time.)
+            if list(listener.notifies(timeout=max(timeout, NO_WAIT), stop_after=1)):
+                # Notifications queued while the worker was busy: one fetch serves them all.
+                list(listener.notifies(timeout=NO_WAIT))
+        except Exception:
+            self._close_listener()
+            raise
+        return True
+
+    def _listening(self) -> Any:
+        if self._listener is None:
+            conn = self._conn
+            listener = conn.get_new_connection(conn.get_connection_params())
+            listener.autocommit = True
+            listener.execute("LISTEN django_jobs")
+            self._listener = listener
+        return self._listener
+
+    def _close_listener(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(Exception):  # it may be broken already
+                listener.close()
+
+    def reset_connection(self) -> None:
+        self._close_listener()
+        super().reset_connection()
+
     def close(self) -> None:
+        self._close_listener()
         self._conn.close()
 
     def size(self, queue: str) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from django.conf import settings
-from django.db import connections
+from django.db import connections, transaction
 from django.test import override_settings
 from django.utils import timezone
 
@@ -967,3 +967,49 @@ def test_postgres_a_lost_prepared_statement_falls_back_to_plain_sql(postgres_up,
         assert Job.objects.using("postgres").filter(status="completed").count() == 4
     finally:
         backend.prepare = True  # the backend instance is cached for the other tests
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
+def test_postgres_a_committed_dispatch_notifies_listening_workers(postgres_up):
+    backend = get_backend("pg")
+    connection = connections["postgres"]
+    listener = connection.get_new_connection(connection.get_connection_params())
+    try:
+        listener.autocommit = True
+        listener.execute("LISTEN django_jobs")
+        with transaction.atomic(using="postgres"):
+            backend.enqueue(scripted.builder(action="ok").build())
+            assert list(listener.notifies(timeout=0.01)) == []  # nothing before the commit
+        [notice] = list(listener.notifies(timeout=30, stop_after=1))
+        assert notice.channel == "django_jobs"
+    finally:
+        listener.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
+def test_postgres_an_idle_worker_wakes_for_a_job_dispatched_elsewhere(postgres_up):
+    backend = get_backend("pg")
+    assert backend.fetch("default") is None
+    backend.wait_for_work(["default"], 0)  # listening from now on
+    dispatched: list[str] = []
+
+    def dispatch_elsewhere() -> None:
+        try:
+            env = scripted.builder(action="ok").build()
+            get_backend("pg").enqueue(env)  # this thread's own connection, autocommit
+            dispatched.append(env.id)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=dispatch_elsewhere)
+    thread.start()
+    try:
+        assert backend.wait_for_work(["default"], 60) is True
+    finally:
+        thread.join()
+        backend.close()
+    lease = backend.fetch("default")
+    assert lease is not None and [lease.token] == dispatched
+    backend.ack(lease)
