@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 from io import StringIO
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -344,3 +345,32 @@ def test_reap_on_the_pg_backend(postgres_up):
     Job.objects.using("postgres").filter(pk=job_id).update(leased_until=timezone.now() - timedelta(seconds=1))
     assert run("jobs_reap", "--backend", "pg") == "reaped 1 expired lease(s)\n"
     assert Job.objects.using("postgres").get(pk=job_id).status == "pending"
+
+
+def test_jobs_work_refuses_a_database_without_its_migrations():
+    from django.db.migrations.recorder import MigrationRecorder
+
+    applied = MigrationRecorder.applied_migrations
+
+    def without_the_newest(self: MigrationRecorder) -> dict[tuple[str, str], Any]:
+        return {key: value for key, value in applied(self).items() if key != ("django_jobs", "0003_notify_trigger")}
+
+    with (
+        mock.patch.object(MigrationRecorder, "applied_migrations", without_the_newest),
+        pytest.raises(
+            CommandError, match=r"lacks django-jobs' migrations 0003_notify_trigger: run `manage.py migrate`"
+        ),
+    ):
+        run("jobs_work", "--once")
+
+
+def test_jobs_work_starts_when_its_database_cannot_be_reached_yet():
+    from django.db import OperationalError
+    from django.db.migrations.recorder import MigrationRecorder
+
+    key = f"unreached-{timezone.now().timestamp()}"
+    scripted.dispatch(action="ok", key=key)
+    # The check cannot ask the database: the worker starts and waits for it, as in an outage.
+    with mock.patch.object(MigrationRecorder, "applied_migrations", side_effect=OperationalError("down")):
+        run("jobs_work", "--once")
+    assert runs(key) == 1

@@ -10,6 +10,7 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, CommandParser
+from django.db import connections
 
 from django_jobs import conf
 from django_jobs.checks import did_you_mean
@@ -76,3 +77,38 @@ def positive_seconds(option: str, value: Any) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise CommandError(f"{option} must be a positive number of seconds, not {value!r}")
+
+
+def migrated(name: str) -> None:
+    """Refuse to start a worker on a database that lacks django-jobs' migrations: every claim or
+    settle would fail, and the worker would take it for an outage and retry without end. A
+    database that cannot be reached now is left to the worker, which waits for it."""
+    from importlib.resources import files
+
+    from django.db import DEFAULT_DB_ALIAS, DatabaseError, router
+    from django.db.migrations.recorder import MigrationRecorder
+
+    from django_jobs.backends import backend_config, engine_class
+    from django_jobs.backends.database import DatabaseBackend
+    from django_jobs.models import Job
+
+    found = files("django_jobs") / "migrations"
+    known = {entry.name[:-3] for entry in found.iterdir() if entry.name[:4].isdigit() and entry.name.endswith(".py")}
+    aliases = {router.db_for_write(Job)}
+    config = backend_config(name)  # not built here: a backend that fails to build fails in its worker
+    if issubclass(engine_class(config.get("ENGINE", "database")), DatabaseBackend):
+        aliases.add((config.get("OPTIONS") or {}).get("DATABASE", DEFAULT_DB_ALIAS))
+    for alias in sorted(aliases):
+        try:
+            applied = {
+                migration
+                for app, migration in MigrationRecorder(connections[alias]).applied_migrations()
+                if app == "django_jobs"
+            }
+        except DatabaseError:
+            continue  # unreachable (or no django_migrations table yet: reported as missing below)
+        missing = sorted(known - applied)
+        if missing:
+            raise CommandError(
+                f"database {alias!r} lacks django-jobs' migrations {', '.join(missing)}: run `manage.py migrate`"
+            )

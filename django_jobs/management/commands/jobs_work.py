@@ -38,6 +38,7 @@ class Command(BaseCommand):
             registry.autodiscover()  # before forking, so every process has the @job registrations
         except ImproperlyConfigured as exc:
             raise CommandError(_validate.one_line(exc)) from exc
+        _validate.migrated(backend)
         limits: dict[str, Any] = {
             "max_jobs": 1 if opts["once"] else opts["max_jobs"],
             "max_time": opts["max_time"],
