@@ -8,6 +8,7 @@ raising to the caller, rejection of tampered messages, idempotency — is tested
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -879,9 +880,9 @@ def test_the_run_loop_keeps_results_acked_together_with_the_next_fetch(queue_bac
     assert results == {env.id: f"value-{n}" for n, env in enumerate(envs)}
 
 
-def _queue_statements(backend: QueueBackend) -> list[str]:
-    """The SQL of one fetch and one ack on ``backend``."""
-    backend.enqueue(scripted.builder(action="ok").build())
+@contextlib.contextmanager
+def postgres_sql() -> Iterator[list[str]]:
+    """The SQL sent on the ``postgres`` alias inside the block, in order."""
     seen: list[str] = []
 
     def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
@@ -889,6 +890,13 @@ def _queue_statements(backend: QueueBackend) -> list[str]:
         return execute(sql, params, many, context)
 
     with connections["postgres"].execute_wrapper(record):
+        yield seen
+
+
+def _queue_statements(backend: QueueBackend) -> list[str]:
+    """The SQL of one fetch and one ack on ``backend``."""
+    backend.enqueue(scripted.builder(action="ok").build())
+    with postgres_sql() as seen:
         lease = backend.fetch("default")
         assert lease is not None
         backend.ack(lease)
@@ -925,15 +933,9 @@ def _two_jobs_acked_together(backend: QueueBackend) -> list[str]:
     """Enqueue two jobs, fetch one, ack it together with the fetch of the other; the SQL sent."""
     for _ in range(2):
         backend.enqueue(scripted.builder(action="ok").build())
-    seen: list[str] = []
-
-    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        seen.append(sql)
-        return execute(sql, params, many, context)
-
     lease = backend.fetch("default")
     assert lease is not None
-    with connections["postgres"].execute_wrapper(record):
+    with postgres_sql() as seen:
         following = backend.ack_and_fetch(lease, "default")
     assert following is not None
     backend.ack(following)
