@@ -12,7 +12,7 @@ from typing import Any, Literal, NamedTuple
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from ..envelope import Envelope
-from ..exceptions import InvalidPayload
+from ..exceptions import InvalidPayload, LeaseLost
 
 # ``Lease.result`` of a run whose value is not kept (``None`` is a value: the job returned it).
 NO_RESULT: Any = object()
@@ -36,6 +36,13 @@ class Lease:
     # What a successful run of a ``keep_result`` job returned, set before its ack: a backend
     # may store it with the ack (the database backend does), else ``keep_result`` stores it.
     result: Any = NO_RESULT
+    # Claimed ahead of its run, in a batch (``fetch_many``): if this lease is lost before the
+    # job starts, the reaper hands the job back without counting a run.
+    ahead: bool = False
+    # An earlier claim of it ahead was lost (its worker died with it in hand, perhaps running
+    # it): its start is recorded with ``begin`` before it runs, so a job that kills its worker
+    # is counted from its second crash on.
+    must_begin: bool = False
 
 
 class LiveJob(NamedTuple):
@@ -59,6 +66,10 @@ class QueueBackend(ABC):
     native_dead_letter: bool = False
     # ack_and_fetch() settles one message and leases the next in a single round trip.
     pipelines_ack_fetch: bool = False
+    # fetch_many() claims a batch in one round trip, each message claimed ahead of its run
+    # (a lost lease of one that never started is not counted as a run), and ack_many() settles
+    # many successes in one round trip.
+    supports_prefetch: bool = False
     # A failed run can be requeued for another attempt (the sync backend runs each job once).
     supports_retry: bool = True
     # Messages survive a restart of the backend.
@@ -155,6 +166,35 @@ class QueueBackend(ABC):
         leases nothing. Backends with ``pipelines_ack_fetch`` do both in one round trip."""
         self.ack(lease)
         return self.fetch(queue)
+
+    def fetch_many(self, queue: str, limit: int) -> list[Lease]:
+        """Lease up to ``limit`` ready messages of ``queue``, in the order they are to run.
+
+        Backends with ``supports_prefetch`` claim them in one round trip, each ``ahead`` (see
+        :class:`Lease`); the others lease one, as :meth:`fetch` does."""
+        lease = self.fetch(queue)
+        return [] if lease is None else [lease]
+
+    def ack_many(self, leases: list[Lease]) -> list[Lease]:
+        """Ack successful runs, fenced one by one; return the leases found lost (not acked)."""
+        lost = []
+        for lease in leases:
+            try:
+                self.ack(lease)
+            except LeaseLost:
+                lost.append(lease)
+        return lost
+
+    def ack_many_and_fetch(self, leases: list[Lease], queue: str, limit: int) -> tuple[list[Lease], list[Lease]]:
+        """``ack_many(leases)``, then ``fetch_many(queue, limit)``: the lost leases and the new
+        ones. Backends with ``supports_prefetch`` do both in one round trip."""
+        return self.ack_many(leases), self.fetch_many(queue, limit)
+
+    def begin(self, lease: Lease, seconds: float) -> None:
+        """A lease claimed ahead (``must_begin``) starts its run now: record that, so its loss
+        counts as a run from here on, and extend it ``seconds`` from now. Fenced: a lease that
+        is no longer ours raises ``LeaseLost``."""
+        self.extend(lease, seconds)
 
     def purge_failed(self, queue: str, older_than: timedelta | None = None) -> int:
         """Forget failed messages kept by the broker itself (``jobs_purge --status failed``).
