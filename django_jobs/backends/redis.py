@@ -2,11 +2,14 @@
 
 Per queue: a waiting zset (priority, then FIFO), a delayed zset (due time), a processing zset
 (lease deadlines) with an owners hash (fencing tokens), a failed zset kept for audit, and the
-message bodies. An idle worker blocks on a notify list instead of polling.
+message bodies. An idle worker blocks on a notify list instead of polling. ``fetch_many`` claims
+a batch ahead of its run: an ahead hash marks those claims, so the reaper hands a lost one back
+without counting a run until the worker ``begin``s it.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from datetime import UTC, datetime, timedelta
@@ -25,7 +28,19 @@ from .base import Lease, LiveJob, QueueBackend, decode_lease_body
 
 redis = require("redis", "redis")
 
-SCRIPTS = ("enqueue", "fetch", "ack", "ack_fetch", "nack", "abandon", "extend", "reap")
+SCRIPTS = (
+    "enqueue",
+    "fetch",
+    "ack",
+    "ack_fetch",
+    "nack",
+    "abandon",
+    "extend",
+    "reap",
+    "fetch_many",
+    "ack_many",
+    "ack_many_fetch",
+)
 # Priorities share a float64 score with a 40-bit sequence number: keep them exact.
 PRIORITY_LIMIT = 8000
 REAP_BATCH = 500
@@ -48,6 +63,7 @@ class QueueKeys(NamedTuple):
     notify: str  # list: wakes workers blocked in wait_for_work
     failed: str  # zset: failure time (ms) -> id, kept for audit
     errors: str  # hash: id -> last error
+    ahead: str  # hash: id -> "1" claimed ahead of its run, "2" and an earlier such claim was lost
 
     @classmethod
     def of(cls, prefix: str, queue: str) -> QueueKeys:
@@ -78,6 +94,7 @@ class RedisBackend(QueueBackend):
 
     supports_priority = True
     pipelines_ack_fetch = True
+    supports_prefetch = True
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
@@ -179,6 +196,41 @@ class RedisBackend(QueueBackend):
             lease.envelope, lease.error = decode_lease_body(body)
         return lease
 
+    def fetch_many(self, queue: str, limit: int) -> list[Lease]:
+        if limit < 1:
+            return []
+        owner, now, deadline = self._new_lease()
+        reply = self._run("fetch_many", queue, now, deadline, owner, limit)
+        return self._claimed(queue, reply, owner, deadline)
+
+    def ack_many(self, leases: list[Lease]) -> list[Lease]:
+        by_queue: dict[str, list[Lease]] = {}
+        for lease in leases:
+            by_queue.setdefault(lease.queue, []).append(lease)
+        lost: list[Lease] = []
+        for queue, group in by_queue.items():  # one script per queue (one cluster slot)
+            lost += _lost(group, self._run("ack_many", queue, _acks(group)))
+        return lost
+
+    def ack_many_and_fetch(self, leases: list[Lease], queue: str, limit: int) -> tuple[list[Lease], list[Lease]]:
+        if limit < 1 or any(lease.queue != queue for lease in leases):
+            return super().ack_many_and_fetch(leases, queue, limit)
+        owner, now, deadline = self._new_lease()
+        acked, reply = self._run("ack_many_fetch", queue, _acks(leases), now, deadline, owner, limit)
+        return _lost(leases, acked), self._claimed(queue, reply, owner, deadline)
+
+    def _claimed(self, queue: str, reply: list[Any], owner: str, deadline: int) -> list[Lease]:
+        """The Leases of a batch claimed ahead: ``reply`` holds (id, body, must_begin) triples,
+        or a single empty one (``_leased`` then records the next due time)."""
+        leases = []
+        for i in range(0, len(reply), 3):
+            lease = self._leased(queue, reply[i], reply[i + 1], owner, deadline)
+            if lease is None:
+                break
+            lease.ahead, lease.must_begin = True, bool(reply[i + 2])
+            leases.append(lease)
+        return leases
+
     def ack(self, lease: Lease, *, count_run: bool = True) -> None:
         self._fenced("ack", lease)
 
@@ -216,12 +268,21 @@ class RedisBackend(QueueBackend):
         return None
 
     def extend(self, lease: Lease, seconds: float) -> None:
+        self._prolong(lease, seconds, begin=False)
+
+    def begin(self, lease: Lease, seconds: float) -> None:
+        self._prolong(lease, seconds, begin=True)
+        lease.must_begin = False
+
+    def _prolong(self, lease: Lease, seconds: float, *, begin: bool) -> None:
+        """Push the lease's deadline; ``begin`` also ends its claim ahead (a loss counts now)."""
         deadline = _ms(time.time() + seconds)
-        self._fenced("extend", lease, deadline)
+        self._fenced("extend", lease, deadline, int(begin))
         lease.expires_at = _from_ms(deadline)
 
     def reap_expired(self, queue: str | None = None) -> int:
-        """Each expired lease counts as a failed run: requeued with backoff, or failed."""
+        """Each expired lease counts as a failed run: requeued with backoff, or failed. One
+        claimed ahead and never begun goes back to waiting as it was, not counted as a run."""
         return sum(self._reap_queue(q) for q in ([queue] if queue else conf.queues()))
 
     def _reap_queue(self, queue: str) -> int:
@@ -256,11 +317,11 @@ class RedisBackend(QueueBackend):
                     action = "fail" if delay is None else "retry"
                     due = now + int((delay or 0) * 1000)  # same clock as `now`: no delay means ready now
                     new_body = env.next_attempt().to_bytes()
-                if self._run("reap", queue, job_id, owner or b"", now, action, new_body, due, error):
-                    reaped += 1
-                    if env is not None:
-                        lost_run(self, env.id, queue, env.attempts + 1, error, failed=action == "fail")
-                    if env is not None and action == "fail":
+                done = self._run("reap", queue, job_id, owner or b"", now, action, new_body, due, error)
+                reaped += done != 0
+                if done == 1 and env is not None:  # a lost run (2: claimed ahead, handed back uncounted)
+                    lost_run(self, env.id, queue, env.attempts + 1, error, failed=action == "fail")
+                    if action == "fail":
                         self.record_failure(env, error, env.attempts + 1, queue)
         return reaped
 
@@ -299,3 +360,13 @@ class RedisBackend(QueueBackend):
             pipe.hdel(keys.priorities, *ids)
             pipe.execute()
         return len(ids)
+
+
+def _acks(leases: list[Lease]) -> str:
+    """The [id, owner] pairs a batch ack script fences on, as JSON."""
+    return json.dumps([[lease.token, lease.owner_token] for lease in leases], ensure_ascii=False)
+
+
+def _lost(leases: list[Lease], acked: list[int]) -> list[Lease]:
+    """The leases a batch ack found no longer held (flag 0), in order."""
+    return [lease for lease, ok in zip(leases, acked, strict=True) if not ok]

@@ -10,6 +10,7 @@ local sequence_key = KEYS[7]    -- counter: FIFO order within a priority
 local notify_key = KEYS[8]      -- list: wakes blocked workers
 local failed_key = KEYS[9]      -- zset: failure ms -> id, kept for audit
 local errors_key = KEYS[10]     -- hash: id -> last error
+local ahead_key = KEYS[11]      -- hash: id -> '1' claimed ahead of its run, '2' and an earlier such claim was lost
 
 -- 2^40: one priority step in a waiting score, above any sequence number.
 local PRIORITY_STEP = 1099511627776
@@ -26,9 +27,11 @@ local function owned(id, owner)
   return redis.call('HGET', owners_key, id) == owner and redis.call('ZSCORE', processing_key, id) ~= false
 end
 
+-- The lease ends (a settle, or a reap): the message is no longer claimed ahead either.
 local function release(id)
   redis.call('ZREM', processing_key, id)
   redis.call('HDEL', owners_key, id)
+  redis.call('HDEL', ahead_key, id)
 end
 
 local function fail(id, now, err)
@@ -52,20 +55,66 @@ local function forget(id)
   redis.call('HDEL', errors_key, id)
 end
 
--- Promote due delayed messages, then lease the first waiting one to `owner` until `deadline`.
--- Returns {id, body} or {false, next_due_ms_or_false}.
-local function lease_next(now, deadline, owner)
+-- Make due delayed messages ready.
+local function promote(now)
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', delayed_key, '-inf', now, 'LIMIT', 0, 200)) do
     redis.call('ZREM', delayed_key, id)
     ready(id)
   end
-  local popped = redis.call('ZPOPMIN', waiting_key)
-  if #popped == 0 then
-    local nxt = redis.call('ZRANGE', delayed_key, 0, 0, 'WITHSCORES')
-    return {false, nxt[2] or false}
-  end
-  local id = popped[1]
+end
+
+-- When the first delayed message is due (ms), or false.
+local function next_due()
+  return redis.call('ZRANGE', delayed_key, 0, 0, 'WITHSCORES')[2] or false
+end
+
+-- Lease `id` to `owner` until `deadline`; returns its body, or false.
+local function hold(id, deadline, owner)
   redis.call('ZADD', processing_key, deadline, id)
   redis.call('HSET', owners_key, id, owner)
-  return {id, redis.call('HGET', bodies_key, id) or false}
+  return redis.call('HGET', bodies_key, id) or false
+end
+
+-- Promote due delayed messages, then lease the first waiting one to `owner` until `deadline`.
+-- Returns {id, body} or {false, next_due_ms_or_false}. A message leased singly starts at once:
+-- it is not claimed ahead, so its loss counts as a run.
+local function lease_next(now, deadline, owner)
+  promote(now)
+  local popped = redis.call('ZPOPMIN', waiting_key)
+  if #popped == 0 then return {false, next_due()} end
+  local id = popped[1]
+  redis.call('HDEL', ahead_key, id)
+  return {id, hold(id, deadline, owner)}
+end
+
+-- Promote due delayed messages, then claim up to `limit` waiting ones ahead of their run, in
+-- order, all leased to `owner` until `deadline`. Returns flat triples {id, body, must_begin},
+-- or {false, next_due_ms_or_false, 0} when none is ready. A message whose earlier claim ahead
+-- was lost keeps its '2': its worker must begin it before running it.
+local function claim_ahead(now, deadline, owner, limit)
+  promote(now)
+  local popped = redis.call('ZPOPMIN', waiting_key, limit)
+  if #popped == 0 then return {false, next_due(), 0} end
+  local claimed = {}
+  for i = 1, #popped, 2 do
+    local id = popped[i]
+    local again = redis.call('HGET', ahead_key, id) == '2'
+    if not again then redis.call('HSET', ahead_key, id, '1') end
+    table.insert(claimed, id)
+    table.insert(claimed, hold(id, deadline, owner))
+    table.insert(claimed, again and 1 or 0)
+  end
+  return claimed
+end
+
+-- Ack each {id, owner} of `acks`, fenced one by one: one flag per pair, 1 acked (forgotten)
+-- or 0 lost (left alone).
+local function ack_each(acks)
+  local acked = {}
+  for _, pair in ipairs(acks) do
+    local ok = owned(pair[1], pair[2])
+    if ok then forget(pair[1]) end
+    table.insert(acked, ok and 1 or 0)
+  end
+  return acked
 end

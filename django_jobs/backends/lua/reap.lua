@@ -1,17 +1,25 @@
--- Recover one expired lease: requeue it (a failed run with retries left) or fail it.
+-- Recover one expired lease. Claimed ahead (maybe never started): back to waiting as it was,
+-- not a run, marked '2' so its next claim ahead must begin; returns 2. Else a lost run
+-- (`action`): requeue it (retries left) or fail it; returns 1.
 -- Acts only if the same lease is still held and still expired: a heartbeat or a settle that
--- happened since the listing wins.
+-- happened since the listing wins (returns 0).
 local id = ARGV[1]
 local owner = ARGV[2]           -- the owner seen when listing
 local now = tonumber(ARGV[3])   -- ms
-local action = ARGV[4]          -- 'retry' | 'fail'
+local action = ARGV[4]          -- 'retry' | 'fail' (unused when claimed ahead)
 local body = ARGV[5]            -- empty: keep the stored body
 local due = tonumber(ARGV[6])   -- ms
 local last_error = ARGV[7]
 
 local deadline = redis.call('ZSCORE', processing_key, id)
 if redis.call('HGET', owners_key, id) ~= owner or not deadline or tonumber(deadline) > now then return 0 end
+local ahead = redis.call('HGET', ahead_key, id)
 release(id)
+if ahead then
+  redis.call('HSET', ahead_key, id, '2')
+  ready(id)
+  return 2
+end
 if body ~= '' then redis.call('HSET', bodies_key, id, body) end
 if action == 'retry' then
   redis.call('HSET', errors_key, id, last_error)
