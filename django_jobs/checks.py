@@ -159,6 +159,7 @@ RULES: dict[str, tuple[str, Rule]] = {
     "METRICS_COLLECTOR": ("E010", _optional_name),
     "SCHEDULE": ("E010", _dict),
     "HISTORY_LIMIT": ("E004", _number(integer=True)),
+    "PREFETCH": ("E004", _number(integer=True, positive=True)),
     "MAX_MESSAGE_BYTES": ("E004", _number(integer=True, positive=True)),
 }
 

@@ -56,6 +56,7 @@ class Heartbeat:
         self._lost: Lease | None = None
         self._deadline: float | None = None
         self._on_deadline: Callable[[], None] | None = None
+        self._timer: tuple[float, Callable[[], None]] | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -92,6 +93,17 @@ class Heartbeat:
         with self._cond:
             self._deadline = self._on_deadline = None
 
+    def after(self, moment: float, action: Callable[[], None]) -> None:
+        """Run ``action`` on this thread at ``moment`` (a ``time.monotonic()`` value), unless
+        :meth:`cancel` or another ``after`` comes first: one timer at a time."""
+        with self._cond:
+            self._timer = (moment, action)
+            self._cond.notify()
+
+    def cancel(self) -> None:
+        with self._cond:
+            self._timer = None
+
     def clear(self, lease: Lease) -> None:
         """The delivery of ``lease`` is over: stop beating it."""
         with self._cond:
@@ -120,11 +132,14 @@ class Heartbeat:
 
     def _due(self) -> Callable[[], None] | None:
         """Under the lock: what is due now, or wait until something may be."""
-        lease, now = self._lease, time.monotonic()
+        lease, now, timer = self._lease, time.monotonic(), self._timer
+        if timer is not None and now >= timer[0]:
+            self._timer = None
+            return timer[1]
         if lease is None:
             # Poll rather than be notified: watch() then costs the hot path no thread wake-up,
             # and a new lease is still beaten within one interval of its start.
-            self._cond.wait(self.interval)
+            self._cond.wait(self.interval if timer is None else min(self.interval, timer[0] - now))
             return None
         if self._deadline is not None and now >= self._deadline:
             on_deadline = self._on_deadline
@@ -136,6 +151,8 @@ class Heartbeat:
             self._next_beat = now + self.interval
             return lambda: self._beat(lease, keep_alive)
         wake = self._next_beat if self._deadline is None else min(self._next_beat, self._deadline)
+        if timer is not None:
+            wake = min(wake, timer[0])
         self._cond.wait(wake - now)
         return None
 

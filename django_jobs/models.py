@@ -33,6 +33,16 @@ def envelope_columns(envelope: Envelope) -> dict[str, Any]:
     return {column: getattr(envelope, column) for column in ENVELOPE_COLUMNS}
 
 
+class ClaimedAhead(models.IntegerChoices):
+    """How a row was claimed (``Job.claimed_ahead``): a worker that claims a batch holds the
+    jobs after the first ahead of their runs, and a lost claim of one that never started is
+    not a run."""
+
+    NO = 0, "No"  # claimed alone and run at once, or not claimed: a lost lease is a lost run
+    YES = 1, "Yes"  # claimed in a batch, not started: a lost lease is handed back, not counted
+    LOST = 2, "After a lost claim"  # an ahead claim of it was lost: its start is recorded first
+
+
 class Job(models.Model):
     id = models.CharField(primary_key=True, max_length=64, editable=False)
     queue = models.CharField(max_length=100)
@@ -58,6 +68,11 @@ class Job(models.Model):
     backend = models.CharField(max_length=100, default="default", help_text="Backend the job was dispatched to.")
     # What the job returned, as JSON: kept only for jobs that ask for it (``keep_result``).
     result = models.JSONField(null=True, blank=True)
+    claimed_ahead = models.PositiveSmallIntegerField(
+        choices=ClaimedAhead.choices,
+        default=ClaimedAhead.NO,
+        help_text="Claimed in a batch ahead of its run: a lost claim that never started is not counted as a run.",
+    )
 
     class Meta:
         ordering = ["-created_at"]

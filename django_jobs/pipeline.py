@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Any, ParamSpec
+from typing import Any, ParamSpec, TypeVar
 
 from django.utils import timezone
 
@@ -47,6 +47,7 @@ from .timeouts import HARD_TIMEOUT_GRACE, time_limit
 logger = logging.getLogger("django_jobs.worker")
 
 _P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 # Failures that no retry can fix.
 PERMANENT_ERRORS = (BadSignature, HandlerNotAllowed, InvalidPayload)
@@ -172,6 +173,8 @@ class DeliveryPipeline:
         self.ack: Callable[[Lease], None] = backend.ack
         # Told when a settle hit a backend error (the run loop holds its reaping back then).
         self.on_backend_error: Callable[[], None] | None = None
+        # Renewed on every beat of every delivery (the run loop's jobs claimed ahead).
+        self.keep_alive: list[Callable[[], None]] = []
 
     # -- the pipeline --
 
@@ -216,7 +219,7 @@ class DeliveryPipeline:
             handler = registry.resolve(env.handler, lease.queue)
         except HandlerNotAllowed as exc:
             return None, _rejection(exc, "jobs_rejected_handler")
-        return Delivery(lease, env, handler), Verdict(Outcome.ACKED)
+        return Delivery(lease, env, handler, keep_alive=list(self.keep_alive)), Verdict(Outcome.ACKED)
 
     def _guarded_run(self, d: Delivery) -> Verdict:
         held = self._take_guards(d)
@@ -258,6 +261,12 @@ class DeliveryPipeline:
         guards stalled, or the process was frozen), so a reaped job never starts here."""
         if self.heartbeat is not None and self.heartbeat.lost(lease):
             return False
+        if lease.must_begin:  # claimed ahead after a lost claim: its start is recorded first
+            try:
+                self.backend.begin(lease, self.lease_seconds)
+            except LeaseLost:
+                return False
+            return True
         if (lease.expires_at - timezone.now()).total_seconds() > self.lease_seconds / 2:
             return True
         try:
@@ -385,19 +394,17 @@ class DeliveryPipeline:
                 lease.result = verdict.value
             for hook in on_success:  # before the ack: if the ack finds the lease lost, the redelivery is skipped
                 _quietly(hook, "mark the idempotency key done")
-            self._retrying(self.ack, retries, lease)
+            self.retrying(self.ack, retries, lease)
         elif outcome is Outcome.SKIPPED_IDEMPOTENT:
-            self._retrying(self.backend.ack, retries, lease, count_run=False)
+            self.retrying(self.backend.ack, retries, lease, count_run=False)
         elif outcome is Outcome.REQUEUED:
-            self._retrying(
+            self.retrying(
                 self.backend.nack, retries, lease, verdict.delay, error=verdict.error or "", count_run=count_run
             )
         else:  # DEAD_LETTERED or REJECTED
-            self._retrying(self.backend.abandon, retries, lease, verdict.error or "", count_run=count_run)
+            self.retrying(self.backend.abandon, retries, lease, verdict.error or "", count_run=count_run)
 
-    def _retrying(
-        self, action: Callable[_P, None], pauses: tuple[float, ...], *args: _P.args, **kwargs: _P.kwargs
-    ) -> None:
+    def retrying(self, action: Callable[_P, _R], pauses: tuple[float, ...], *args: _P.args, **kwargs: _P.kwargs) -> _R:
         """Settle, retrying a transient backend error a few times within the lease."""
         for pause in pauses:
             try:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypedDict
 from django.db import connections
 
 from . import backends
+from .backends.base import Lease
 from .worker import QueueWorker, WorkerResult
 
 if TYPE_CHECKING:
@@ -34,6 +35,9 @@ PR_SET_PDEATHSIG = 1
 STARTING, RUNNING, FINISHED = 0, 1, 2
 # Deaths at start-up in a row after which the supervisor gives up.
 STARTUP_DEATHS = 5
+# A worker process's claims, shared with the supervisor: "queue<US>owner token<US>job in hand".
+CLAIMS_BYTES = 512
+SEPARATOR = "\x1f"
 
 
 class SharedBudget:
@@ -79,14 +83,19 @@ class WorkerPool:
         once: bool = False,
         sleep: float | None = None,
         on_result: Callable[[WorkerResult], None] | None = None,
+        recover: Callable[[str, str, str | None], object] | None = None,
     ) -> None:
+        """``recover(queue, owner_token, job_in_hand)`` is called when a worker process dies
+        holding claims (:func:`~django_jobs.reaper.recover_claims`)."""
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self.make_worker = make_worker
         self.concurrency = concurrency
         self.run_options: _RunOptions = {"max_time": max_time, "once": once, "sleep": sleep, "on_result": on_result}
         self.budget = SharedBudget(max_jobs) if max_jobs is not None else None
-        self.children: dict[int, tuple[int, Synchronized[int], float]] = {}  # pid -> slot, state, start
+        self.recover = recover
+        # pid -> slot, state, start, claims
+        self.children: dict[int, tuple[int, Synchronized[int], float, ctypes.Array[ctypes.c_char]]] = {}
         self.stopping = False
         self._worker: QueueWorker | None = None
 
@@ -126,7 +135,9 @@ class WorkerPool:
                 pid, status = os.wait()
             except ChildProcessError:
                 break
-            slot, state, started = self.children.pop(pid)
+            slot, state, started, claims = self.children.pop(pid)
+            if state.value != FINISHED:
+                self._recover(claims)
             if state.value == FINISHED or self.stopping:
                 continue
             code = os.waitstatus_to_exitcode(status)
@@ -152,13 +163,30 @@ class WorkerPool:
                 self._spawn(slot)
         return 1 if gave_up else 0
 
+    def _recover(self, claims: ctypes.Array[ctypes.c_char]) -> None:
+        """A worker process died: recover the claims it held now, in this process (whose
+        connections are closed again before the next fork)."""
+        text = claims.value.decode(errors="replace")
+        if not text or self.recover is None:
+            return
+        queue, owner, running = text.split(SEPARATOR)
+        try:
+            self.recover(queue, owner, running or None)
+        except Exception:
+            logger.exception("could not recover the jobs of a dead worker process; their leases expire instead")
+        finally:
+            connections.close_all()
+            backends.reset()
+
     def _spawn(self, slot: int) -> None:
-        state = multiprocessing.get_context("fork").Value("b", STARTING)
+        context = multiprocessing.get_context("fork")
+        state = context.Value("b", STARTING)
+        claims = context.Array("c", CLAIMS_BYTES, lock=False)
         parent = os.getpid()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         pid = os.fork()
         if pid:
-            self.children[pid] = (slot, state, time.monotonic())
+            self.children[pid] = (slot, state, time.monotonic(), claims)
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             return
         code = 1
@@ -166,6 +194,7 @@ class WorkerPool:
             self.children = {}
             _die_with_parent(parent)
             self._worker = worker = self.make_worker()
+            worker.in_hand = _recorder(claims)
             state.value = RUNNING
             worker.exit_on_hard_timeout = True
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -181,6 +210,17 @@ class WorkerPool:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+
+
+def _recorder(claims: ctypes.Array[ctypes.c_char]) -> Callable[[Lease, bool], None]:
+    """The worker's ``in_hand``: keeps its latest claim, and the job it runs, where the
+    supervisor can read them after the process died (two shared-memory writes per job)."""
+
+    def record(lease: Lease, running: bool) -> None:
+        text = SEPARATOR.join((lease.queue, lease.owner_token, lease.token if running else "")).encode()
+        claims.value = text if len(text) < CLAIMS_BYTES else b""  # too long to keep: the leases expire
+
+    return record
 
 
 def _die_with_parent(parent: int) -> None:

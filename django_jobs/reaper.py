@@ -68,6 +68,17 @@ class Reaper:
                 time.sleep(max(min(0.1, end - time.monotonic()), 0))
 
 
+def recover_claims(backend: QueueBackend | str | None, queue: str, owner_token: str, running: str | None) -> int:
+    """A worker process died holding the claims of ``owner_token`` on ``queue`` (its
+    supervisor saw it die): they are recovered now, not one lease timeout later. ``running``,
+    the job it had in hand, counts a lost run (so a job that kills its worker ends failed after
+    ``max_retries + 1`` runs); the jobs it had claimed ahead go back uncounted. Returns how many
+    leases were recovered."""
+    target = backend if isinstance(backend, QueueBackend) else get_backend(backend)
+    target.lose_claims(queue, owner_token, running)
+    return Reaper(target, [queue]).reap_once()
+
+
 def lost_run(backend: QueueBackend, job_id: str, queue: str, attempt: int, error: str, *, failed: bool) -> None:
     """A lost run was recovered (``failed``: it had no retries left): it enters the job's
     attempt history and ``job_reaped`` is sent."""

@@ -110,7 +110,9 @@ def _phase(ctx: Context, name: str, target: str, when: str, job_s: float) -> dic
     kinds = {e.id: (action, retries) for e, (action, retries) in zip(envelopes, spec, strict=True)}
     kinds.update({e.id: ("fail_late", 0) for e in warmup})
     ids = [e.id for e in warmup] + [e.id for e in envelopes]
-    fleet: Fleet = ctx.fleet(f"dbrestart-{name}")
+    # Long jobs, one per worker in hand at the restart: run as long jobs should be, one claimed
+    # at a time (with batches, one worker would claim them all ahead).
+    fleet: Fleet = ctx.fleet(f"dbrestart-{name}", prefetch=1)
     server = _server(ctx, target)
     events: list[Event] = []
     origin = time.time()

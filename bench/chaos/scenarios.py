@@ -53,8 +53,8 @@ class Context:
     database: Any = None  # the PrivatePostgres holding the chaos database (None with --pg-external)
     outage: float = 1.0  # seconds a restarted server stays down
 
-    def fleet(self, name: str, size: int = 3) -> Fleet:
-        return Fleet(self.workdir / name, self.env, size=size)
+    def fleet(self, name: str, size: int = 3, prefetch: int | None = None) -> Fleet:
+        return Fleet(self.workdir / name, self.env, size=size, prefetch=prefetch)
 
 
 # -- helpers ------------------------------------------------------------------------------------

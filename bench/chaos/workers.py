@@ -89,6 +89,7 @@ class Fleet:
     size: int = 3
     queues: tuple[str, ...] = ("default", "other")
     max_time: float = 3600
+    prefetch: int | None = None  # None: the PREFETCH setting (batches)
     slots: list[Incarnation | None] = field(default_factory=list)
     history: list[Incarnation] = field(default_factory=list)
 
@@ -118,6 +119,7 @@ class Fleet:
                     "chaos",
                     "--max-time",
                     str(self.max_time),
+                    *(["--prefetch", str(self.prefetch)] if self.prefetch else []),
                 ],
                 cwd=REPO,
                 env=self.env,

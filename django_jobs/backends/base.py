@@ -175,6 +175,11 @@ class QueueBackend(ABC):
         lease = self.fetch(queue)
         return [] if lease is None else [lease]
 
+    def can_prefetch(self) -> bool:
+        """May a worker claim batches now? (``supports_prefetch``, unless the backend says
+        otherwise at the time.)"""
+        return self.supports_prefetch
+
     def ack_many(self, leases: list[Lease]) -> list[Lease]:
         """Ack successful runs, fenced one by one; return the leases found lost (not acked)."""
         lost = []
@@ -195,6 +200,13 @@ class QueueBackend(ABC):
         counts as a run from here on, and extend it ``seconds`` from now. Fenced: a lease that
         is no longer ours raises ``LeaseLost``."""
         self.extend(lease, seconds)
+
+    def lose_claims(self, queue: str, owner_token: str, running: str | None) -> None:
+        """The worker that claimed jobs of ``queue`` under ``owner_token`` died, as its
+        supervisor saw: every lease of that claim expires now, so the next ``reap_expired``
+        recovers them at once, and ``running`` (the job it had in hand, if any) is no longer
+        claimed ahead, so its loss counts as a run. Brokers that expire leases themselves
+        (``native_lease``) have nothing to do."""
 
     def purge_failed(self, queue: str, older_than: timedelta | None = None) -> int:
         """Forget failed messages kept by the broker itself (``jobs_purge --status failed``).

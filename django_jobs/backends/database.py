@@ -25,7 +25,7 @@ from django.utils.dateparse import parse_datetime
 from .. import conf
 from ..envelope import Envelope
 from ..exceptions import InvalidPayload, LeaseLost, WorkerLost
-from ..models import Job, JobStatus, envelope_columns
+from ..models import ClaimedAhead, Job, JobStatus, envelope_columns
 from ..retry import after_lost_run
 from .base import NO_RESULT, Lease, QueueBackend
 
@@ -36,6 +36,8 @@ UNKNOWN_PREPARED_STATEMENT = "26000"  # SQLSTATE invalid_sql_statement_name
 NO_WAIT = 0.001  # seconds: a listener's shortest wait for notifications
 logger = logging.getLogger("django_jobs.backends.database")
 _RESULT = Job._meta.get_field("result")
+# Every settle: the row is no longer leased, nor claimed ahead.
+RELEASED = "owner_token = NULL, leased_until = NULL, claimed_ahead = 0"
 RETURNED = (
     "id, handler, {payload}, {options}, signature, name, attempts, max_retries, "
     "priority, available_at, timeout, idempotency_key"
@@ -91,6 +93,10 @@ def _row_fields(row: tuple[Any, ...], queue: str) -> dict[str, Any]:
     return data
 
 
+def _lost(leases: list[Lease], acked: set[str]) -> list[Lease]:
+    return [lease for lease in leases if lease.token not in acked]
+
+
 def _new_lease() -> tuple[datetime, str, datetime]:
     """Now, a fresh owner token, and the lease's expiry."""
     now = timezone.now()
@@ -109,7 +115,8 @@ class DatabaseBackend(QueueBackend):
         self.alias = self.history_alias = options.get("DATABASE", DEFAULT_DB_ALIAS)
         # One statement (PostgreSQL) or one transaction (SQLite) acks a job and claims the next.
         # (The connection's vendor is known without connecting.)
-        self.pipelines_ack_fetch = connections[self.alias].vendor in ("postgresql", "sqlite")
+        # A batch is claimed with one statement, and its successes acked with one more.
+        self.pipelines_ack_fetch = self.supports_prefetch = connections[self.alias].vendor in ("postgresql", "sqlite")
         # PostgreSQL: the worker's own statements (claims, settles, lease renewals) commit without
         # waiting for the WAL flush. Dispatches stay durable. A database crash may undo the
         # settles of its last moments; those jobs are then recovered as lost runs.
@@ -129,25 +136,32 @@ class DatabaseBackend(QueueBackend):
     def _adapt(self, value: datetime) -> Any:
         return self._conn.ops.adapt_datetimefield_value(value)
 
-    def _execute(self, sql: str, params: list[Any]) -> tuple[int, Any]:
+    def _execute(self, sql: str, params: list[Any], *, every_row: bool = False) -> tuple[int, Any]:
+        """Run ``sql``: the row count, and the first row (``every_row``: the list of rows)."""
         with self._conn.cursor() as cursor:
             cursor.execute(sql, params)
-            return cursor.rowcount, (cursor.fetchone() if cursor.description else None)
+            if not cursor.description:
+                return cursor.rowcount, [] if every_row else None
+            return cursor.rowcount, (cursor.fetchall() if every_row else cursor.fetchone())
 
-    def _execute_queue(self, sql: str, params: list[Any], *, prepare: bool = False) -> tuple[int, Any]:
+    def _execute_queue(
+        self, sql: str, params: list[Any], *, prepare: bool = False, every_row: bool = False
+    ) -> tuple[int, Any]:
         """A claim, settle or renewal: on PostgreSQL in autocommit, its implicit transaction
         commits asynchronously (``SET LOCAL`` after it, in the same simple-protocol query, so
         it is still one round trip; never inside the caller's transaction). ``prepare``: run it
         as a statement prepared on this connection."""
         conn = self._conn
         if conn.vendor != "postgresql" or conn.settings_dict.get("OPTIONS", {}).get("server_side_binding"):
-            return self._execute(sql, params)
+            return self._execute(sql, params, every_row=every_row)
         suffix = "; SET LOCAL synchronous_commit = off" if self.async_commit and not conn.in_atomic_block else ""
         if not (prepare and self.prepare) or conn.in_atomic_block:
-            return self._execute(sql + suffix, params)
+            return self._execute(sql + suffix, params, every_row=every_row)
         name = self._prepared(sql, len(params))
         try:
-            return self._execute(f"EXECUTE {name}({', '.join(['%s'] * len(params))}){suffix}", params)
+            return self._execute(
+                f"EXECUTE {name}({', '.join(['%s'] * len(params))}){suffix}", params, every_row=every_row
+            )
         except ProgrammingError as exc:
             if getattr(exc.__cause__, "sqlstate", None) != UNKNOWN_PREPARED_STATEMENT:
                 raise
@@ -155,7 +169,7 @@ class DatabaseBackend(QueueBackend):
             logger.warning("prepared statement %s is gone on %r; no longer preparing", name, self.alias)
             self.prepare = False
             _PREPARED.pop(conn.connection, None)
-            return self._execute(sql + suffix, params)
+            return self._execute(sql + suffix, params, every_row=every_row)
 
     def _prepared(self, sql: str, count: int) -> str:
         """The name of ``sql`` prepared on this thread's connection (prepared now if needed)."""
@@ -179,10 +193,7 @@ class DatabaseBackend(QueueBackend):
         settle, the reaper and a retry clear it), so the statement tests the id and the token
         alone and PostgreSQL finds the row by its primary key, never by the status index."""
         now = timezone.now()
-        sql = (
-            f"UPDATE {TABLE} SET {assignments}, owner_token = NULL, leased_until = NULL, updated_at = %s "
-            f"WHERE id = %s AND owner_token = %s"
-        )
+        sql = f"UPDATE {TABLE} SET {assignments}, {RELEASED}, updated_at = %s WHERE id = %s AND owner_token = %s"
         count, _ = self._execute_queue(sql, [*params, self._adapt(now), lease.token, lease.owner_token])
         if count != 1:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
@@ -235,15 +246,14 @@ class DatabaseBackend(QueueBackend):
         now, owner, expires = _new_lease()
         done, params = self._ack_assignments(lease)
         sql = (
-            f"WITH done AS (UPDATE {TABLE} SET {done}, owner_token = NULL, leased_until = NULL, updated_at = %s "
+            f"WITH done AS (UPDATE {TABLE} SET {done}, {RELEASED}, updated_at = %s "
             f"WHERE id = %s AND owner_token = %s RETURNING 1), "
             f"next AS ({self._claim_sql(vendor, only_if='EXISTS (SELECT 1 FROM done)')}) "
             f"SELECT (SELECT count(*) FROM done), next.* FROM (SELECT 1) AS one LEFT JOIN next ON TRUE"
         )
-        adapted_now = self._adapt(now)
-        claim = [owner, self._adapt(expires), adapted_now, queue, adapted_now]
+        claim = self._claim_params(queue, owner, now, expires)
         _, reply = self._execute_queue(
-            sql, [*params, adapted_now, lease.token, lease.owner_token, *claim], prepare=True
+            sql, [*params, self._adapt(now), lease.token, lease.owner_token, *claim], prepare=True
         )
         if not reply[0]:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
@@ -261,31 +271,126 @@ class DatabaseBackend(QueueBackend):
         return lease
 
     @staticmethod
-    def _claim_sql(vendor: str, only_if: str = "TRUE") -> str:
-        """The claim: one UPDATE of the next due row, returning its envelope columns.
-        Parameters: owner, leased_until, updated_at, queue, now."""
+    def _claim_sql(vendor: str, only_if: str = "TRUE", *, batch: bool = False) -> str:
+        """The claim: one UPDATE of the next due row (``batch``: of up to N rows, each claimed
+        ahead of its run), returning its envelope columns (``batch``: after ``claimed_ahead``).
+        Parameters: owner, leased_until, updated_at, queue, now (``batch``: then N)."""
         if vendor == "postgresql":
             lock, returned = "FOR UPDATE SKIP LOCKED", RETURNED.format(payload="payload::text", options="options::text")
-            # The row is locked and re-checked by the subquery: the outer UPDATE finds it by id
-            # alone (a status test there could lead the planner onto the status index, which
+            # The rows are locked and re-checked by the subquery: the outer UPDATE finds them by
+            # id alone (a status test there could lead the planner onto the status index, which
             # walks every pending row when the table's statistics are stale).
             pending = ""
         else:
             lock, returned = "", RETURNED.format(payload="payload", options="options")
             pending = "status = 'pending' AND "
         # Statuses are literals, not parameters, so the planner matches the partial index.
-        return (
-            f"UPDATE {TABLE} SET status = 'in_progress', owner_token = %s, leased_until = %s, updated_at = %s "
-            f"WHERE {pending}{only_if} AND id = ("
+        due = (
             f"SELECT id FROM {TABLE} WHERE status = 'pending' AND queue = %s AND available_at <= %s "
-            f"ORDER BY priority DESC, available_at, id LIMIT 1 {lock}) RETURNING {returned}"
+            f"ORDER BY priority DESC, available_at, id LIMIT {'%s' if batch else 1} {lock}"
         )
+        claimed = "status = 'in_progress', owner_token = %s, leased_until = %s, updated_at = %s"
+        if not batch:
+            return f"UPDATE {TABLE} SET {claimed}, claimed_ahead = 0 WHERE {pending}{only_if} AND id = ({due}) RETURNING {returned}"
+        # A row that was lost while claimed ahead stays marked: its start is recorded before it runs.
+        ahead = f"claimed_ahead = CASE WHEN claimed_ahead = {ClaimedAhead.NO} THEN {ClaimedAhead.YES} ELSE {ClaimedAhead.LOST} END"
+        rows = f"= ANY(ARRAY({due}))" if vendor == "postgresql" else f"IN ({due})"
+        return f"UPDATE {TABLE} SET {claimed}, {ahead} WHERE {pending}id {rows} RETURNING claimed_ahead, {returned}"
+
+    def _claim_params(self, queue: str, owner: str, now: datetime, expires: datetime) -> list[Any]:
+        adapted_now = self._adapt(now)
+        return [owner, self._adapt(expires), adapted_now, queue, adapted_now]
 
     def _claim_returning(self, queue: str, owner: str, now: datetime, expires: datetime, vendor: str) -> Any:
-        adapted_now = self._adapt(now)
-        claim = [owner, self._adapt(expires), adapted_now, queue, adapted_now]
-        _, row = self._execute_queue(self._claim_sql(vendor), claim)
+        _, row = self._execute_queue(self._claim_sql(vendor), self._claim_params(queue, owner, now, expires))
         return row
+
+    # -- batches --
+
+    def fetch_many(self, queue: str, limit: int) -> list[Lease]:
+        return self.ack_many_and_fetch([], queue, limit)[1]
+
+    def can_prefetch(self) -> bool:
+        """Not inside the caller's transaction (a test's, or a worker run in ``atomic``): the
+        heartbeat thread, which writes waiting acks, could not touch rows claimed in it."""
+        return self.supports_prefetch and not self._conn.in_atomic_block
+
+    def ack_many(self, leases: list[Lease]) -> list[Lease]:
+        if not leases:
+            return []
+        if self._conn.vendor == "postgresql":
+            sql = f"{self._ack_many_sql()} RETURNING {TABLE}.id"
+            _, rows = self._execute_queue(sql, self._ack_many_params(leases), prepare=True, every_row=True)
+            return _lost(leases, {row[0] for row in rows})
+        if self._conn.vendor != "sqlite":
+            return super().ack_many(leases)
+        return self._ack_many_sqlite(leases)
+
+    def ack_many_and_fetch(self, leases: list[Lease], queue: str, limit: int) -> tuple[list[Lease], list[Lease]]:
+        """One statement on PostgreSQL, one transaction on SQLite: the acks (fenced row by
+        row) and the claim of the next batch, which is made whatever the acks found."""
+        vendor = self._conn.vendor
+        now, owner, expires = _new_lease()
+        claim = self._claim_params(queue, owner, now, expires) + [limit]
+        if vendor == "sqlite":
+            with transaction.atomic(using=self.alias):
+                lost = self._ack_many_sqlite(leases)
+                _, rows = self._execute(self._claim_sql(vendor, batch=True), claim, every_row=True)
+            return lost, self._batch(rows, owner, expires, queue)
+        if vendor != "postgresql":
+            return super().ack_many_and_fetch(leases, queue, limit)
+        sql = (
+            f"WITH done AS ({self._ack_many_sql()} RETURNING {TABLE}.id), "
+            f"next AS ({self._claim_sql(vendor, batch=True)}) "
+            f"SELECT (SELECT array_agg(id) FROM done), next.* FROM (SELECT 1) AS one LEFT JOIN next ON TRUE"
+        )
+        _, rows = self._execute_queue(sql, self._ack_many_params(leases) + claim, prepare=True, every_row=True)
+        acked = set(rows[0][0] or ())
+        claimed = [row[1:] for row in rows if row[1] is not None]
+        return _lost(leases, acked), self._batch(claimed, owner, expires, queue)
+
+    @staticmethod
+    def _ack_many_sql() -> str:
+        """PostgreSQL: ack many rows, each fenced on its own (id, owner token) pair.
+        Parameters: finished_at, updated_at, ids, owner tokens."""
+        return (
+            f"UPDATE {TABLE} SET status = 'completed', attempts = attempts + 1, finished_at = %s, {RELEASED}, "
+            f"updated_at = %s FROM unnest(%s::text[], %s::text[]) AS acked(id, owner) "
+            f"WHERE {TABLE}.id = acked.id AND {TABLE}.owner_token = acked.owner"
+        )
+
+    def _ack_many_params(self, leases: list[Lease]) -> list[Any]:
+        now = self._adapt(timezone.now())
+        return [now, now, [lease.token for lease in leases], [lease.owner_token for lease in leases]]
+
+    def _ack_many_sqlite(self, leases: list[Lease]) -> list[Lease]:
+        if not leases:
+            return []
+        now = self._adapt(timezone.now())
+        pairs = ", ".join(["(%s, %s)"] * len(leases))
+        sql = (
+            f"UPDATE {TABLE} SET status = 'completed', attempts = attempts + 1, finished_at = %s, {RELEASED}, "
+            f"updated_at = %s WHERE (id, owner_token) IN (VALUES {pairs}) RETURNING id"
+        )
+        params = [now, now, *(value for lease in leases for value in (lease.token, lease.owner_token))]
+        _, rows = self._execute(sql, params, every_row=True)
+        return _lost(leases, {row[0] for row in rows})
+
+    def _batch(self, rows: list[Any], owner: str, expires: datetime, queue: str) -> list[Lease]:
+        """Leases for a claimed batch, in the order the claim chose them (RETURNING has none)."""
+        leases = []
+        for row in rows:
+            lease = self._leased(row[1:], owner, expires, queue)
+            assert lease is not None
+            lease.ahead, lease.must_begin = True, row[0] == ClaimedAhead.LOST
+            leases.append(lease)
+        # priority DESC, available_at, id: the columns of RETURNED (after claimed_ahead).
+        leases.sort(key=lambda lease: (-lease.raw[8], _dt(lease.raw[9]) or timezone.now(), lease.raw[0]))
+        return leases
+
+    def begin(self, lease: Lease, seconds: float) -> None:
+        self._prolong(lease, seconds, "claimed_ahead = 0, ")
+        lease.must_begin = False
 
     def _claim_orm(self, queue: str, owner: str, now: datetime, expires: datetime) -> Any:
         jobs = Job.objects.using(self.alias)
@@ -348,9 +453,13 @@ class DatabaseBackend(QueueBackend):
         """Nothing to do: the ack wrote the result into the job's own row."""
 
     def extend(self, lease: Lease, seconds: float) -> None:
+        self._prolong(lease, seconds)
+
+    def _prolong(self, lease: Lease, seconds: float, also: str = "") -> None:
+        """Push the lease's expiry (fenced); ``also``: more assignments in the same UPDATE."""
         expires = timezone.now() + timedelta(seconds=seconds)
         count, _ = self._execute_queue(
-            f"UPDATE {TABLE} SET leased_until = %s WHERE id = %s AND owner_token = %s",
+            f"UPDATE {TABLE} SET {also}leased_until = %s WHERE id = %s AND owner_token = %s",
             [self._adapt(expires), lease.token, lease.owner_token],
         )
         if count != 1:
@@ -390,9 +499,13 @@ class DatabaseBackend(QueueBackend):
             "owner_token",
             "attempts",
             "leased_until",
+            "claimed_ahead",
         )
         reaped = 0
         for job in expired.only(*fields):
+            if job.claimed_ahead != ClaimedAhead.NO:
+                reaped += self._hand_back(job, now)
+                continue
             done = 0
             # A lost connection ends the pass (every later row would fail the same way).
             with (
@@ -419,6 +532,33 @@ class DatabaseBackend(QueueBackend):
                 reaped += 1
                 lost_run(self, job.pk, job.queue, job.attempts + 1, error, failed=delay is None)
         return reaped
+
+    def lose_claims(self, queue: str, owner_token: str, running: str | None) -> None:
+        # The in-progress rows are few, and the lease index holds only them.
+        self._execute_queue(
+            f"UPDATE {TABLE} SET leased_until = %s, claimed_ahead = CASE WHEN id = %s THEN 0 ELSE claimed_ahead END "
+            f"WHERE status = 'in_progress' AND queue = %s AND owner_token = %s",
+            [self._adapt(timezone.now() - timedelta(seconds=1)), running or "", queue, owner_token],
+        )
+
+    def _hand_back(self, job: Job, now: datetime) -> int:
+        """An expired lease of a job claimed ahead that never started: no run was lost. It is
+        ready again at once, its attempts unchanged, and marked so that its start is recorded
+        before it runs (its worker died with it in hand; a job that kills its worker is counted
+        from its next crash on)."""
+        handed_back: int = (
+            Job.objects.using(self.alias)
+            .filter(pk=job.pk, owner_token=job.owner_token, status=JobStatus.IN_PROGRESS)
+            .update(
+                status=JobStatus.PENDING,
+                owner_token=None,
+                leased_until=None,
+                available_at=now,
+                claimed_ahead=ClaimedAhead.LOST,
+                updated_at=now,
+            )
+        )
+        return handed_back
 
     def wait_for_work(self, queues: list[str], timeout: float) -> bool:
         """PostgreSQL: block until a job is inserted (``NOTIFY django_jobs``, sent by a trigger

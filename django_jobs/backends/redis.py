@@ -40,6 +40,7 @@ SCRIPTS = (
     "fetch_many",
     "ack_many",
     "ack_many_fetch",
+    "lose",
 )
 # Priorities share a float64 score with a 40-bit sequence number: keep them exact.
 PRIORITY_LIMIT = 8000
@@ -266,6 +267,9 @@ class RedisBackend(QueueBackend):
             if envelope is not None:
                 return LiveJob("in_progress" if leased is not None else "pending", envelope)
         return None
+
+    def lose_claims(self, queue: str, owner_token: str, running: str | None) -> None:
+        self._run("lose", queue, owner_token, running or "", _ms())
 
     def extend(self, lease: Lease, seconds: float) -> None:
         self._prolong(lease, seconds, begin=False)

@@ -31,7 +31,7 @@ from django_jobs.exceptions import LeaseLost
 from django_jobs.history import attempts_of
 from django_jobs.metrics import get_collector
 from django_jobs.models import Job, JobAttempt
-from django_jobs.signals import job_reaped
+from django_jobs.signals import job_reaped, job_succeeded
 from django_jobs.worker import QueueWorker
 from tests.backend_params import ALL_DATABASES, BACKEND_PARAMS, BackendCase, holds_messages, require_hook, require_queue
 from tests.testapp.jobs import scripted
@@ -762,6 +762,195 @@ def test_a_stopping_worker_hands_back_the_job_it_leased_ahead(queue_backend, bac
     rest = [fetch(queue_backend).envelope for _ in range(2)]
     assert sorted(env.id for env in rest) == sorted(ids[1:])
     assert [env.attempts for env in rest] == [0, 0]
+
+
+# -- batches: claimed ahead, acked together (backends with supports_prefetch) --
+
+
+def require_prefetch(backend: QueueBackend) -> None:
+    if not backend.supports_prefetch:
+        pytest.skip("backend claims one message at a time")
+
+
+def test_fetch_many_claims_a_batch_in_fetch_order_each_claimed_ahead(queue_backend, backend_case):
+    require_prefetch(queue_backend)
+    low = [enqueue(queue_backend, backend_case).id for _ in range(2)]
+    high = enqueue(queue_backend, backend_case, priority=5).id
+
+    batch = queue_backend.fetch_many("default", 2)
+
+    assert [lease.envelope.id for lease in batch] == [high, low[0]]
+    assert all(lease.ahead and not lease.must_begin for lease in batch)
+    assert len({lease.owner_token for lease in batch}) == 1  # one claim, fenced message by message
+    assert [lease.envelope.id for lease in queue_backend.fetch_many("default", 5)] == [low[1]]
+    assert queue_backend.fetch_many("default", 5) == []
+    assert queue_backend.size("default") == 3  # all leased
+
+
+def test_ack_many_fences_each_message_and_returns_the_lost_ones(queue_backend, backend_case):
+    require_prefetch(queue_backend)
+    for _ in range(3):
+        enqueue(queue_backend, backend_case)
+    batch = queue_backend.fetch_many("default", 3)
+    queue_backend.ack(batch[1])  # settled already: its ack in the batch is fenced off
+
+    lost = queue_backend.ack_many(batch)
+
+    assert lost == [batch[1]]
+    assert queue_backend.size("default") == 0
+    assert queue_backend.ack_many([]) == []
+
+
+def test_ack_many_and_fetch_acks_a_batch_and_claims_the_next(queue_backend, backend_case):
+    require_prefetch(queue_backend)
+    ids = [enqueue(queue_backend, backend_case).id for _ in range(4)]
+    first = queue_backend.fetch_many("default", 2)
+
+    lost, following = queue_backend.ack_many_and_fetch(first, "default", 5)
+
+    assert lost == []
+    assert [lease.envelope.id for lease in following] == ids[2:]
+    assert queue_backend.size("default") == 2  # the first two are gone, the others leased
+    if backend_case.record:
+        assert [record(backend_case, queue_backend, i).status for i in ids] == ["completed"] * 2 + ["in_progress"] * 2
+        assert record(backend_case, queue_backend, ids[0]).attempts == 1
+
+
+def lose_a_claim_ahead(backend: QueueBackend, case: BackendCase, **options: Any) -> Envelope:
+    """A job claimed ahead whose worker died with it: its lease expires and is reaped."""
+    require_prefetch(backend)
+    expire = require_hook(case, "expire")
+    env = enqueue(backend, case, **options)
+    [lease] = backend.fetch_many("default", 5)
+    expire(backend, lease)
+    assert backend.reap_expired("default") == 1
+    return env
+
+
+def test_a_lost_claim_ahead_is_handed_back_uncounted_then_begun_before_its_run(queue_backend, backend_case):
+    env = lose_a_claim_ahead(queue_backend, backend_case, max_retries=0)
+    expire = require_hook(backend_case, "expire")
+
+    # Its worker died with it claimed ahead: no run is counted, none enters the history, and
+    # with no retries left it is still pending, its next claim marked to be begun.
+    [again] = queue_backend.fetch_many("default", 5)
+    assert again.envelope.id == env.id and again.envelope.attempts == 0
+    assert again.must_begin
+    assert history_of(queue_backend, env.id) == []
+    queue_backend.begin(again, 30)
+    assert not again.must_begin
+    # Begun, it is running: a lost lease from here on is a lost run (no retries left: failed).
+    expire(queue_backend, again)
+    assert queue_backend.reap_expired("default") == 1
+    [attempt] = history_of(queue_backend, env.id)
+    assert (attempt.attempt, attempt.outcome) == (1, "lost")
+    assert queue_backend.fetch_many("default", 5) == []
+
+
+def test_begin_is_fenced(queue_backend, backend_case):
+    require_prefetch(queue_backend)
+    enqueue(queue_backend, backend_case)
+    [lease] = queue_backend.fetch_many("default", 1)
+    queue_backend.ack(lease)
+
+    with pytest.raises(LeaseLost):
+        queue_backend.begin(lease, 30)
+
+
+def test_a_claim_of_one_job_alone_is_started_at_once(queue_backend, backend_case):
+    """``fetch`` (a worker with PREFETCH 1) claims nothing ahead: its loss is a lost run."""
+    env = lose_a_claim_ahead(queue_backend, backend_case, max_retries=1)  # marked to be begun
+    expire = require_hook(backend_case, "expire")
+
+    lease = fetch(queue_backend)
+    expire(queue_backend, lease)
+    queue_backend.reap_expired("default")
+
+    assert fetch(queue_backend).envelope.attempts == 1
+    assert [a.outcome for a in history_of(queue_backend, env.id)] == ["lost"]
+
+
+@pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
+def test_a_batching_worker_runs_every_job_once_and_acks_it(queue_backend, backend_case):
+    require_prefetch(queue_backend)
+    keys = [unique() for _ in range(7)]
+    envs = [enqueue(queue_backend, backend_case, key=key) for key in keys]
+    results = []
+
+    done = QueueWorker(queue_backend, ["default"], prefetch=3).run(once=False, max_jobs=7, on_result=results.append)
+
+    assert done == 7
+    assert [r.job_id for r in results] == [e.id for e in envs]
+    assert {r.status for r in results} == {"acked"}
+    assert [runs(backend_case, key) for key in keys] == [1] * 7
+    assert queue_backend.size("default") == 0
+    if backend_case.record:
+        rows = [record(backend_case, queue_backend, e.id) for e in envs]
+        assert {(row.status, row.attempts) for row in rows} == {("completed", 1)}
+
+
+@pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
+def test_a_stopping_batching_worker_hands_back_its_claims_uncounted(queue_backend, backend_case):
+    require_prefetch(queue_backend)
+    ids = [enqueue(queue_backend, backend_case).id for _ in range(6)]
+    worker = QueueWorker(queue_backend, ["default"], prefetch=4)
+    results = []
+
+    def stop_after_two(result):
+        results.append(result)
+        if len(results) == 2:
+            worker.stop()
+
+    worker.run(on_result=stop_after_two, reap=False)
+
+    assert [r.job_id for r in results] == ids[:2]
+    rest = [fetch(queue_backend).envelope for _ in range(4)]
+    assert sorted(env.id for env in rest) == sorted(ids[2:])  # the two claimed ahead are ready again
+    assert [env.attempts for env in rest] == [0] * 4
+
+
+@pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
+def test_a_lease_lost_before_its_batched_ack_is_counted_and_the_job_kept(queue_backend, backend_case):
+    require_prefetch(queue_backend)
+    expire = require_hook(backend_case, "expire")
+    env = enqueue(queue_backend, backend_case)
+    enqueue(queue_backend, backend_case)
+    before = counter("jobs_lease_lost")
+
+    def reaped_meanwhile(sender: Any, envelope: Envelope, **kwargs: Any) -> None:
+        if envelope.id == env.id:  # its ack waits in the batch: the lease is lost before it is written
+            lease = Lease(token=env.id, owner_token="", expires_at=timezone.now(), queue="default")
+            expire(queue_backend, lease)
+            queue_backend.reap_expired("default")
+
+    job_succeeded.connect(reaped_meanwhile)
+    try:
+        QueueWorker(queue_backend, ["default"], prefetch=2).run(max_jobs=2, reap=False)
+    finally:
+        job_succeeded.disconnect(reaped_meanwhile)
+
+    assert counter("jobs_lease_lost") == before + 1
+    again = fetch(queue_backend)  # handed back by the reaper: it runs again, never lost
+    assert again.envelope.id == env.id
+
+
+@pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
+def test_jobs_claimed_ahead_stay_leased_while_a_long_job_runs(queue_backend, backend_case):
+    require_prefetch(queue_backend)
+    slow, quick = unique(), unique()
+    sleeper = scripted.using(backoff={"strategy": "none"}).builder(
+        action="sleep", key=slow, db=backend_case.side_effect_db, seconds=1.5
+    )
+    queue_backend.enqueue(sleeper.build())
+    enqueue(queue_backend, backend_case, key=quick)
+    results = []
+
+    with override_settings(JOBS={**settings.JOBS, "LEASE_TIMEOUT": 0.6}):
+        worker = QueueWorker(queue_backend, ["default"], prefetch=2)
+        worker.run(max_jobs=2, on_result=results.append)  # reaping as it goes
+
+    assert [r.status for r in results] == ["acked", "acked"]
+    assert (runs(backend_case, slow), runs(backend_case, quick)) == (1, 1)
 
 
 # -- attempt history and kept results --

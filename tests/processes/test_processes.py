@@ -145,7 +145,9 @@ def test_sigkilled_worker_leaves_a_lease_that_jobs_reap_recovers():
     key = unique("crash")
     job_id = dispatch("sleep", key=key, seconds=3, max_retries=1)
     with processes() as procs:
-        first = procs.worker("--backend", "pg", env=env)
+        # One job at a time: it is started as it is claimed, so its lost lease is a lost run.
+        # (Claimed ahead in a batch, it would go back uncounted: tested below.)
+        first = procs.worker("--backend", "pg", "--prefetch", "1", env=env)
         [run] = wait_until(lambda: effects(key), 30, "the first run to start")
         # The supervisor and its forked worker process die together, as on a host crash or
         # the OOM killer: nobody is left to settle the job or to restart a worker.
@@ -184,8 +186,8 @@ def test_sigkilled_worker_leaves_a_lease_that_jobs_reap_recovers():
 
 @pytest.mark.slow
 def test_job_that_kills_its_worker_every_time_fails_after_max_retries_plus_one_deliveries():
-    """``os._exit`` in the job: the supervisor replaces the process and the workers' own
-    periodic reaping counts each lost lease as a run, so the job ends failed instead of
+    """``os._exit`` in the job: the supervisor replaces the process and recovers the claims it
+    held, counting the job it had in hand as a lost run, so the job ends failed instead of
     killing workers forever."""
     key = unique("exit")
     job_id = dispatch("exit", key=key, max_retries=2, backoff={"strategy": "none"})
@@ -203,6 +205,56 @@ def test_job_that_kills_its_worker_every_time_fails_after_max_retries_plus_one_d
     assert len(runs) == 3, "exactly max_retries + 1 deliveries"
     assert len({r.pid for r in runs}) == 3, "each delivery killed its process; a new one took over"
     assert sum("died with status 3" in line for line in worker.err) == 3, worker.output()
+
+
+@pytest.mark.slow
+def test_a_worker_process_that_dies_mid_batch_counts_only_its_job_in_hand():
+    """With batches (the default PREFETCH), a dying worker process holds jobs it claimed ahead.
+    Its supervisor recovers them at once, not a lease timeout (60 s here) later: the job it was
+    running counts a lost run, and the ones it never started go back uncounted and run once."""
+    killer_key, keys = unique("exit"), [unique("after") for _ in range(4)]
+    killer = dispatch("exit", key=killer_key, max_retries=0, priority=10)  # claimed first
+    others = [dispatch("ok", key=key) for key in keys]
+    with processes() as procs:
+        worker = procs.worker("--backend", "pg", env=worker_env())
+        wait_until(lambda: settled(killer, *others), 30, "every job to settle", interval=0.1)
+        assert worker.stop(signal.SIGTERM) == 0, worker.output()
+
+    row = job(killer)
+    assert (row.status, row.attempts) == ("failed", 1), "its one run, lost, used up max_retries=0"
+    assert row.last_error.startswith("WorkerLost"), row.last_error
+    assert len(effects(killer_key)) == 1
+    assert [(job(i).status, job(i).attempts) for i in others] == [("completed", 1)] * 4
+    assert [len(effects(key)) for key in keys] == [1] * 4
+
+
+@pytest.mark.slow
+def test_a_host_crash_mid_batch_hands_the_unstarted_jobs_back_uncounted():
+    """Supervisor and worker SIGKILLed together (a host crash): nobody recovers the claims
+    until their leases expire. Then ``jobs_reap`` hands every job claimed ahead back without
+    counting a run (it cannot tell which one was running), marked so that each one's start is
+    recorded before it runs again; a fresh worker then runs them all."""
+    env = worker_env(lease_timeout=2)
+    keys = [unique("batch") for _ in range(3)]
+    ids = [dispatch("sleep", key=key, seconds=3, max_retries=0) for key in keys]
+    with processes() as procs:
+        first = procs.worker("--backend", "pg", env=env)
+        [run] = wait_until(lambda: effects(keys[0]), 30, "the first job to start")
+        first.send(signal.SIGKILL, group=True)
+        assert first.wait(10) == -signal.SIGKILL
+        wait_until(lambda: not pid_alive(run.pid), 10, f"worker process {run.pid} to die")
+        assert [(job(i).status, job(i).claimed_ahead) for i in ids] == [("in_progress", 1)] * 3
+
+        wait_until(lambda: job(ids[0]).leased_until < timezone.now(), 10, "the dead worker's leases to expire")
+        code, reap = procs.run("jobs_reap", "--backend", "pg", env=env)
+        assert code == 0, reap.output()
+        assert [(job(i).status, job(i).attempts, job(i).claimed_ahead) for i in ids] == [("pending", 0, 2)] * 3
+
+        code, second = procs.run("jobs_work", "--backend", "pg", "--max", "3", env=env, timeout=60)
+        assert code == 0, second.output()
+
+    assert [(job(i).status, job(i).attempts, job(i).claimed_ahead) for i in ids] == [("completed", 1, 0)] * 3
+    assert [len(effects(key)) for key in keys] == [2, 1, 1]  # the first ran twice: at least once
 
 
 # -- 4. graceful shutdown, --once, --max ------------------------------------------------------------

@@ -148,7 +148,8 @@ def test_sigkilled_worker_lease_is_recovered_by_jobs_reap(postgres_up, backend, 
         action="sleep", key=key, db=PG, seconds=3
     )
     with processes() as procs:
-        first = procs.worker("--backend", "redis", env=env)
+        # One job at a time: started as it is claimed, its lost lease is a lost run.
+        first = procs.worker("--backend", "redis", "--prefetch", "1", env=env)
         [run] = wait_until(lambda: effects(key), 30, "the first run to start")
         # Supervisor and forked worker die together: nobody settles the job or heartbeats it.
         first.send(signal.SIGKILL, group=True)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 from typing import Any
@@ -9,6 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_jobs import registry, signing
 from django_jobs.pool import STOP_SIGNALS, WorkerPool
+from django_jobs.reaper import recover_claims
 from django_jobs.worker import QueueWorker, WorkerResult
 
 from . import _validate
@@ -24,6 +26,11 @@ class Command(BaseCommand):
         parser.add_argument("--max-time", type=float, help="exit after S seconds")
         parser.add_argument("--concurrency", type=int, default=1, help="worker processes (default 1)")
         parser.add_argument("--sleep", type=float, help="seconds to wait after an empty fetch (default POLL_INTERVAL)")
+        parser.add_argument(
+            "--prefetch",
+            type=int,
+            help="jobs each process claims at a time on the database and Redis backends (default PREFETCH; 1 for long jobs)",
+        )
 
     def handle(self, *args: Any, **opts: Any) -> None:
         # Bad arguments and settings are refused here, in one line, before any process is forked.
@@ -31,6 +38,7 @@ class Command(BaseCommand):
         queues = _validate.queues(opts["queues"] or _validate.known_queues()[:1])
         _validate.at_least_one("--concurrency", opts["concurrency"])
         _validate.at_least_one("--max", opts["max_jobs"])
+        _validate.at_least_one("--prefetch", opts["prefetch"])
         _validate.positive_seconds("--max-time", opts["max_time"])
         _validate.positive_seconds("--sleep", opts["sleep"])
         try:
@@ -39,6 +47,7 @@ class Command(BaseCommand):
         except ImproperlyConfigured as exc:
             raise CommandError(_validate.one_line(exc)) from exc
         _validate.migrated(backend)
+        prefetch = opts["prefetch"]
         limits: dict[str, Any] = {
             "max_jobs": 1 if opts["once"] else opts["max_jobs"],
             "max_time": opts["max_time"],
@@ -47,9 +56,14 @@ class Command(BaseCommand):
             "on_result": self.report,
         }
         if opts["concurrency"] == 1 and (opts["once"] or opts["max_jobs"] is not None):
-            self.work_here(QueueWorker(backend, queues, exit_on_hard_timeout=True), limits)
+            self.work_here(QueueWorker(backend, queues, exit_on_hard_timeout=True, prefetch=prefetch), limits)
             return
-        pool = WorkerPool(lambda: QueueWorker(backend, queues), opts["concurrency"], **limits)
+        pool = WorkerPool(
+            lambda: QueueWorker(backend, queues, prefetch=prefetch),
+            opts["concurrency"],
+            recover=functools.partial(recover_claims, backend),
+            **limits,
+        )
         pool.install_signal_handlers()
         self.started(backend, queues, opts["concurrency"])
         if pool.run():
