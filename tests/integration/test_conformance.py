@@ -847,6 +847,26 @@ def test_a_lost_claim_ahead_is_handed_back_uncounted_then_begun_before_its_run(q
     assert queue_backend.fetch_many("default", 5) == []
 
 
+def test_lost_claims_are_recovered_at_once_counting_only_the_job_in_hand(queue_backend, backend_case):
+    require_prefetch(queue_backend)
+    envs = [enqueue(queue_backend, backend_case, max_retries=1) for _ in range(3)]
+    other = enqueue(queue_backend, backend_case)
+    batch = queue_backend.fetch_many("default", 3)
+    [elsewhere] = queue_backend.fetch_many("default", 3)  # another worker's claim: untouched
+
+    queue_backend.lose_claims("default", batch[0].owner_token, batch[1].token)
+
+    assert queue_backend.reap_expired("default") == 3
+    redelivered = {lease.envelope.id: lease for lease in queue_backend.fetch_many("default", 5)}
+    assert sorted(redelivered) == sorted(env.id for env in envs)
+    assert redelivered[envs[1].id].envelope.attempts == 1 and not redelivered[envs[1].id].must_begin
+    assert [a.outcome for a in history_of(queue_backend, envs[1].id)] == ["lost"]
+    for env in (envs[0], envs[2]):
+        assert redelivered[env.id].envelope.attempts == 0 and redelivered[env.id].must_begin
+    queue_backend.ack(elsewhere)  # still held by its own claim
+    assert elsewhere.envelope.id == other.id
+
+
 def test_begin_is_fenced(queue_backend, backend_case):
     require_prefetch(queue_backend)
     enqueue(queue_backend, backend_case)
