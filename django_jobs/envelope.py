@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from itertools import chain
 from typing import Any, NamedTuple
@@ -159,10 +159,11 @@ class Envelope:
     # -- wire format (used by the brokers; the database backend stores columns) --
 
     def to_bytes(self) -> bytes:
-        data = asdict(self)
+        # A shallow dict: the encoder reads the payload where it is (asdict would copy it).
+        data = {name: getattr(self, name) for name in _WIRE_FIELDS}
         data["v"] = 1
         data["available_at"] = self.available_at.timestamp() if self.available_at else None
-        return json.dumps(data, allow_nan=False, separators=(",", ":")).encode()
+        return _WIRE.encode(data).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes | str) -> Envelope:
@@ -202,6 +203,9 @@ class Envelope:
         _check_types(env)
         return env
 
+
+_WIRE_FIELDS = tuple(f.name for f in fields(Envelope))
+_WIRE = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "id": (str,),

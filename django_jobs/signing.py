@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 # attempts and available_at change on every requeue, so they are left out and a requeued
 # message still verifies; everything that decides *what* runs, *where* and *how often* is
 # inside the MAC (queue and handler included: no replay elsewhere).
+_PLAIN = frozenset({str, int, bool, type(None)})
 SIGNED_FIELDS = (
     "id",
     "handler",
@@ -37,6 +38,8 @@ SIGNED_FIELDS = (
 
 
 def _normal(value: Any) -> Any:
+    if type(value) in _PLAIN:  # most fields: nothing to normalise
+        return value
     # Storage may turn 1.0 into 1 or 1e16 into 10000000000000000 (PostgreSQL jsonb, a
     # FloatField): an integral float signs as the integer so the MAC survives the round trip.
     if isinstance(value, float):
@@ -49,12 +52,13 @@ def _normal(value: Any) -> Any:
     return value
 
 
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def canonical(fields: dict[str, Any]) -> bytes:
     """Canonical JSON of the signed fields: sorted keys, no spaces, UTF-8."""
     try:
-        data = {name: _normal(fields.get(name)) for name in SIGNED_FIELDS}
-        text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        return text.encode()
+        return _CANONICAL.encode({name: _normal(fields.get(name)) for name in SIGNED_FIELDS}).encode()
     except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
         raise InvalidPayload(f"job fields cannot be signed: {exc}") from exc
 

@@ -53,7 +53,7 @@ class Command(BaseCommand):
             "max_time": opts["max_time"],
             "once": opts["once"],
             "sleep": opts["sleep"],
-            "on_result": self.report,
+            "on_result": self.report if opts["verbosity"] >= 1 else None,  # one line per job
         }
         if opts["concurrency"] == 1 and (opts["once"] or opts["max_jobs"] is not None):
             self.work_here(QueueWorker(backend, queues, exit_on_hard_timeout=True, prefetch=prefetch), limits)
