@@ -15,16 +15,14 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
 from . import conf
 from .backends import get_backend
-from .backends.base import NO_RESULT, Lease, QueueBackend
-from .exceptions import LeaseLost
+from .backends.base import Lease, QueueBackend
+from .batches import Batches
 from .heartbeat import Heartbeat
 from .metrics import MetricsCollector, get_collector
 from .pipeline import SETTLE_RETRY_PAUSES, DeliveryPipeline, JobContext, Outcome, WorkerResult, format_error
@@ -38,9 +36,6 @@ logger = logging.getLogger("django_jobs.worker")
 EXIT_HARD_TIMEOUT = 75
 # The longest pause between tries while the backend is unreachable.
 MAX_OUTAGE_PAUSE = 30.0
-# Batched acks (PREFETCH > 1): the longest a success waits before its ack is written. A crash
-# of the worker within this window runs the job again.
-ACK_FLUSH_SECONDS = 0.05
 
 
 class Budget(Protocol):
@@ -118,26 +113,28 @@ class QueueWorker:
             self.backend, metrics=self.metrics, heartbeat=self.heartbeat, busy_delay=busy_delay
         )
         self.stopping = False
-        # ``run`` claims up to ``prefetch`` jobs at a time where the backend can claim a batch
-        # (each claimed ahead of its run) and acks their successes in batches.
+        # ``run`` claims jobs in batches of up to ``prefetch`` where the backend can, each
+        # claimed ahead of its run, and acks their successes together.
         self.prefetch = max(int(conf.get("PREFETCH") if prefetch is None else prefetch), 1)
         self.batching = False  # decided when ``run`` starts
-        self._ahead: deque[Lease] = deque()  # leased, not yet processed (each holds a ticket)
-        self._acks: list[Lease] = []  # successes whose ack is not written yet
-        self._acks_lock = threading.Lock()  # the heartbeat thread flushes them too
+        self.batches = Batches(
+            self.backend,
+            self.heartbeat,
+            self.metrics,
+            maximum=self.prefetch,
+            lease_seconds=self.lease_seconds,
+            settle=lambda action, leases: self.pipeline.retrying(action, SETTLE_RETRY_PAUSES, leases),
+        )
+        self.pipeline.keep_alive.append(self.batches.extend)
         # Told of each lease before its delivery (``True``) and after it (``False``): a pool's
         # supervisor recovers the claims of a worker process that died (``recover_claims``).
         self.in_hand: Callable[[Lease, bool], None] | None = None
-        self.pipeline.keep_alive.append(self._extend_ahead)
 
     # -- one delivery --
 
     def process_once(self, queue: str | None = None) -> WorkerResult:
         """Fetch at most one message (from ``queue`` or each worker queue in order) and settle it."""
-        if self._ahead and queue in (None, self._ahead[0].queue):
-            lease: Lease | None = self._ahead.popleft()
-        else:
-            lease = self._fetch(queue)
+        lease = self.batches.take(queue) or self._fetch(queue)
         return WorkerResult(Outcome.EMPTY) if lease is None else self.process(lease)
 
     def _fetch(self, queue: str | None) -> Lease | None:
@@ -193,18 +190,19 @@ class QueueWorker:
         next_reap = time.monotonic() if reaper else math.inf
         outages = 0
         self.batching = self.prefetch > 1 and self.backend.can_prefetch()
+        self.batches.tickets = limits
         if self.batching:
-            self.pipeline.ack = self._ack_later
+            self.pipeline.ack = self.batches.ack_later
         elif self.backend.pipelines_ack_fetch:
             self.pipeline.ack = lambda lease: self._ack_and_lease_next(lease, limits)
         self.heartbeat.start()
         try:
-            while limits.admit(self.stopping, ticket_held=bool(self._ahead)):
+            while limits.admit(self.stopping, ticket_held=bool(self.batches)):
                 if reaper is not None and time.monotonic() >= next_reap:
                     next_reap = time.monotonic() + self.lease_seconds
                     self._reap(reaper)
                 try:
-                    result = self._deliver(limits)
+                    result = self._deliver()
                 except Exception:  # noqa: BLE001 - logged by _outage: the backend is unreachable
                     limits.give_back()
                     if reaper is not None:
@@ -227,17 +225,24 @@ class QueueWorker:
         finally:
             self.pipeline.ack = self.backend.ack
             self.pipeline.on_backend_error = None
-            self._flush_acks()
-            limits.give_back(self._release_ahead())
+            self.batches.finish()
+            self.batches.tickets = None
             self.heartbeat.stop()
             self.batching = False
         return limits.done
 
-    def _deliver(self, limits: RunLimits) -> WorkerResult:
-        if not self.batching or self._ahead:
+    def _deliver(self) -> WorkerResult:
+        if not self.batching:
             return self.process_once()
-        self._claim_batch(limits)
-        return self.process(self._ahead.popleft()) if self._ahead else WorkerResult(Outcome.EMPTY)
+        if not self.batches:
+            self.batches.claim(self.queues, self.stopping)
+        lease = self.batches.take()
+        if lease is None:
+            return WorkerResult(Outcome.EMPTY)
+        start = time.monotonic()
+        result = self.process(lease)
+        self.batches.timed(time.monotonic() - start)
+        return result
 
     def _ack_and_lease_next(self, lease: Lease, limits: RunLimits) -> None:
         """Ack, and lease the next job in the same round trip when it will certainly run here."""
@@ -251,90 +256,7 @@ class QueueWorker:
             if ahead is None:
                 limits.give_back()  # nothing was leased ahead: return its ticket
             else:
-                self._ahead.append(ahead)
-
-    # -- batches (PREFETCH > 1) --
-
-    def _claim_batch(self, limits: RunLimits) -> None:
-        """Claim the next batch (the admitted job and up to ``prefetch - 1`` more, as the run's
-        limits allow), writing the acks waiting to be written in the same round trip. The
-        queues are tried in order; the first that has jobs fills the batch."""
-        extra = limits.reserve(self.prefetch - 1, self.stopping)
-        acks = self._take_acks()
-        claimed: list[Lease] = []
-        try:
-            for queue in self.queues:
-                lost, claimed = self.backend.ack_many_and_fetch(acks, queue, extra + 1)
-                self._count_lost(lost)
-                acks = []
-                if claimed:
-                    break
-        except BaseException:
-            self._put_back_acks(acks)
-            limits.give_back(extra)
-            raise
-        limits.give_back(extra - max(len(claimed) - 1, 0))
-        self._ahead.extend(claimed)
-
-    def _ack_later(self, lease: Lease) -> None:
-        """The pipeline's ack while batching: written with the next claim, or by the heartbeat
-        thread once the oldest waiting ack is ``ACK_FLUSH_SECONDS`` old."""
-        if lease.result is not NO_RESULT:  # its value is written with its own ack
-            return self.backend.ack(lease)
-        with self._acks_lock:
-            first = not self._acks
-            self._acks.append(lease)
-        if first:
-            self.heartbeat.after(time.monotonic() + ACK_FLUSH_SECONDS, self._flush_acks)
-
-    def _take_acks(self) -> list[Lease]:
-        with self._acks_lock:
-            acks, self._acks = self._acks, []
-        return acks
-
-    def _put_back_acks(self, acks: list[Lease]) -> None:
-        if acks:
-            with self._acks_lock:
-                self._acks[:0] = acks
-
-    def _flush_acks(self) -> None:
-        """Write the waiting acks now (from either thread); a backend error is retried a few
-        times, then the jobs are left to the reaper (they will run again). Never raises."""
-        acks = self._take_acks()
-        if not acks:
-            return
-        try:
-            self._count_lost(self.pipeline.retrying(self.backend.ack_many, SETTLE_RETRY_PAUSES, acks))
-        except Exception:
-            logger.exception("could not write the acks of %d completed job(s); they will run again", len(acks))
-
-    def _count_lost(self, lost: list[Lease]) -> None:
-        for lease in lost:
-            self.metrics.increment("jobs_lease_lost", queue=lease.queue)
-            logger.warning("job %s: lease lost before its ack was written (reaped; it may run again)", lease.token)
-
-    def _extend_ahead(self) -> None:
-        """Heartbeat thread, while a job runs: keep the jobs claimed ahead of it leased. One
-        found lost is not run (the start check sees it)."""
-        for lease in tuple(self._ahead):
-            try:
-                self.backend.extend(lease, self.lease_seconds)
-            except LeaseLost:
-                continue
-
-    def _release_ahead(self) -> int:
-        """Jobs leased ahead but not started go straight back, not counted as runs. Returns
-        how many (their tickets go back to the run's budget)."""
-        count = len(self._ahead)
-        while self._ahead:
-            lease = self._ahead.popleft()
-            if lease.envelope is None:
-                continue  # undecodable: the reaper settles it (nothing of it can be trusted)
-            try:
-                self.backend.nack(lease, 0, count_run=False)
-            except Exception:
-                logger.warning("job %s: could not hand back the job leased ahead", lease.token, exc_info=True)
-        return count
+                self.batches.hold(ahead)
 
     def _reap(self, reaper: Reaper) -> None:
         """Recover expired leases. A failure here never holds up the jobs: it is tried again

@@ -31,7 +31,7 @@ from django_jobs.exceptions import LeaseLost
 from django_jobs.history import attempts_of
 from django_jobs.metrics import get_collector
 from django_jobs.models import Job, JobAttempt
-from django_jobs.signals import job_reaped, job_succeeded
+from django_jobs.signals import job_reaped, job_started, job_succeeded
 from django_jobs.worker import QueueWorker
 from tests.backend_params import ALL_DATABASES, BACKEND_PARAMS, BackendCase, holds_messages, require_hook, require_queue
 from tests.testapp.jobs import scripted
@@ -954,20 +954,87 @@ def test_a_lease_lost_before_its_batched_ack_is_counted_and_the_job_kept(queue_b
     assert again.envelope.id == env.id
 
 
+def sleeper(case: BackendCase, key: str, seconds: float) -> Envelope:
+    builder = scripted.using(backoff={"strategy": "none"}).builder(
+        action="sleep", key=key, db=case.side_effect_db, seconds=seconds
+    )
+    return builder.build()
+
+
+@pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
+def test_a_success_is_acked_within_a_moment_even_while_a_long_job_follows(queue_backend, backend_case):
+    require_prefetch(queue_backend)
+    quick = enqueue(queue_backend, backend_case)
+    slow = sleeper(backend_case, unique(), 0.1)
+    queue_backend.enqueue(slow)
+    seen = []
+
+    def when_slow_starts(sender: Any, envelope: Envelope, **kwargs: Any) -> None:
+        if envelope.id == slow.id:  # the quick job's ack waits in the batch: the heartbeat writes it
+            time.sleep(0.5)
+            seen.append(queue_backend.size("default"))
+
+    job_started.connect(when_slow_starts)
+    try:
+        QueueWorker(queue_backend, ["default"], prefetch=2).run(max_jobs=2, reap=False)
+    finally:
+        job_started.disconnect(when_slow_starts)
+
+    assert seen == [1], "only the slow job is still held: the quick one's ack was written"
+    assert quick.id != slow.id and queue_backend.size("default") == 0
+
+
+@pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
+def test_jobs_claimed_behind_a_long_job_are_handed_back_for_other_workers(queue_backend, backend_case):
+    require_prefetch(queue_backend)
+    slow = sleeper(backend_case, unique(), 1.5)  # longer than HAND_BACK_AFTER
+    queue_backend.enqueue(slow)
+    keys = [unique(), unique()]
+    for key in keys:
+        enqueue(queue_backend, backend_case, key=key)
+    owners = {}
+
+    def record_owner(sender: Any, envelope: Envelope, context: Any, **kwargs: Any) -> None:
+        owners[envelope.id] = context.lease.owner_token
+
+    job_started.connect(record_owner)
+    try:
+        results = []
+        QueueWorker(queue_backend, ["default"], prefetch=3).run(max_jobs=3, reap=False, on_result=results.append)
+    finally:
+        job_started.disconnect(record_owner)
+
+    assert [r.status for r in results] == ["acked"] * 3
+    assert [runs(backend_case, key) for key in keys] == [1, 1]
+    # Claimed in the slow job's batch, then handed back while it ran, and claimed again after.
+    others = [owner for job_id, owner in owners.items() if job_id != slow.id]
+    assert len(others) == 2 and owners[slow.id] not in others
+    assert queue_backend.size("default") == 0
+
+
 @pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
 def test_jobs_claimed_ahead_stay_leased_while_a_long_job_runs(queue_backend, backend_case):
+    """The job runs longer than a lease (but not long enough for its batch to be handed back),
+    with a reaper at work: the job claimed after it is kept leased by the heartbeat."""
     require_prefetch(queue_backend)
     slow, quick = unique(), unique()
-    sleeper = scripted.using(backoff={"strategy": "none"}).builder(
-        action="sleep", key=slow, db=backend_case.side_effect_db, seconds=1.5
-    )
-    queue_backend.enqueue(sleeper.build())
+    queue_backend.enqueue(sleeper(backend_case, slow, 0.9))
     enqueue(queue_backend, backend_case, key=quick)
-    results = []
+    results, done = [], threading.Event()
 
-    with override_settings(JOBS={**settings.JOBS, "LEASE_TIMEOUT": 0.6}):
-        worker = QueueWorker(queue_backend, ["default"], prefetch=2)
-        worker.run(max_jobs=2, on_result=results.append)  # reaping as it goes
+    def reap_meanwhile() -> None:
+        while not done.is_set():
+            queue_backend.reap_expired("default")
+            done.wait(0.05)
+
+    with override_settings(JOBS={**settings.JOBS, "LEASE_TIMEOUT": 0.45}):
+        reaper = threading.Thread(target=reap_meanwhile)
+        reaper.start()
+        try:
+            QueueWorker(queue_backend, ["default"], prefetch=2).run(max_jobs=2, on_result=results.append, reap=False)
+        finally:
+            done.set()
+            reaper.join()
 
     assert [r.status for r in results] == ["acked", "acked"]
     assert (runs(backend_case, slow), runs(backend_case, quick)) == (1, 1)

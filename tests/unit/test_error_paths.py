@@ -313,11 +313,11 @@ def test_a_leased_ahead_job_that_cannot_be_handed_back_is_logged(caplog):
     NackFails.nacks.clear()
     worker = QueueWorker(NackFails("nackfails", {}))
     lease = lease_of(remember.builder("ahead"))
-    worker._ahead.append(lease)  # leased together with the last ack
+    worker.batches.hold(lease)  # leased together with the last ack
     with caplog.at_level(logging.WARNING, logger="django_jobs.worker"):
         assert worker.run(max_jobs=0, reap=False) == 0
     assert NackFails.nacks == [lease]
-    assert not worker._ahead
+    assert not worker.batches
     assert f"job {lease.token}: could not hand back the job leased ahead" in caplog.text
     assert "broker went away during nack" in caplog.text
 
@@ -325,19 +325,19 @@ def test_a_leased_ahead_job_that_cannot_be_handed_back_is_logged(caplog):
 def test_an_undecodable_leased_ahead_job_is_not_nacked():
     NackFails.nacks.clear()
     worker = QueueWorker(NackFails("nackfails", {}))
-    worker._ahead.append(Lease(token="t", owner_token="o", expires_at=timezone.now(), queue="default"))
+    worker.batches.hold(Lease(token="t", owner_token="o", expires_at=timezone.now(), queue="default"))
     assert worker.run(max_jobs=0, reap=False) == 0
-    assert not worker._ahead
+    assert not worker.batches
     assert NackFails.nacks == []
 
 
 @pytest.mark.django_db
 def test_the_sync_backend_takes_a_leased_ahead_job_back_quietly(caplog):
     worker = QueueWorker(SyncBackend("plain", {}))
-    worker._ahead.append(lease_of(remember.builder("ahead")))
+    worker.batches.hold(lease_of(remember.builder("ahead")))
     with caplog.at_level(logging.WARNING, logger="django_jobs.worker"):
         assert worker.run(max_jobs=0, reap=True) == 0
-    assert not worker._ahead
+    assert not worker.batches
     assert "could not hand back" not in caplog.text
 
 

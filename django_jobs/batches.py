@@ -1,0 +1,200 @@
+"""The jobs a worker holds before it runs them, and the acks it has not written yet.
+
+Where the backend can (``supports_prefetch``: the database and Redis backends), a worker claims
+several jobs in one round trip, each *claimed ahead* of its run, and writes the acks of its
+successes together with its next claim. How many it claims follows the jobs: about
+``BATCH_SECONDS`` of work by the recent jobs' durations, at most ``PREFETCH``, so short jobs are
+claimed many at a time and long ones one at a time (the next ones stay free for other workers).
+
+The heartbeat thread watches each batch: it writes the waiting acks every ``BATCH_SECONDS``, and
+once a batch has run ``HAND_BACK_AFTER`` seconds (a long job in it) it hands the jobs still
+waiting in it back, uncounted, so that other workers run them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from .backends.base import NO_RESULT, Lease, QueueBackend
+from .exceptions import LeaseLost
+from .heartbeat import Heartbeat
+from .metrics import MetricsCollector
+
+logger = logging.getLogger("django_jobs.worker")
+
+# A batch holds about this much work, and a success waits about this long for its ack to be
+# written (a crash of the worker in that window runs the job again).
+BATCH_SECONDS = 0.05
+# A batch still running after this long holds a long job: the jobs waiting behind it go back.
+HAND_BACK_AFTER = 1.0
+# Weight of the newest job in the running average of a job's duration.
+SMOOTHING = 0.3
+
+
+class Tickets(Protocol):
+    """The run's limits (``--max`` across a pool's processes): one ticket per job held."""
+
+    def reserve(self, wanted: int, stopping: bool) -> int: ...
+
+    def give_back(self, tickets: int = 1) -> None: ...
+
+
+class Batches:
+    """One worker's jobs claimed ahead (each holds a ticket) and its successes not acked yet.
+
+    The main thread claims and takes jobs; the heartbeat thread writes acks, keeps the claims
+    leased and hands them back: both sides go through a lock.
+    """
+
+    def __init__(
+        self,
+        backend: QueueBackend,
+        heartbeat: Heartbeat,
+        metrics: MetricsCollector,
+        *,
+        maximum: int,
+        lease_seconds: float,
+        settle: Callable[[Callable[[list[Lease]], list[Lease]], list[Lease]], list[Lease]],
+    ) -> None:
+        self.backend, self.heartbeat, self.metrics = backend, heartbeat, metrics
+        self.maximum, self.lease_seconds = maximum, lease_seconds
+        self.settle = settle  # runs a backend call, retrying transient errors
+        self.tickets: Tickets | None = None  # the run's, while it runs
+        self._ahead: deque[Lease] = deque()
+        self._acks: list[Lease] = []
+        self._lock = threading.Lock()
+        self._claimed_at = 0.0
+        self._job_seconds = BATCH_SECONDS / 10  # so the first batch holds 10 jobs
+
+    def __bool__(self) -> bool:
+        return bool(self._ahead)
+
+    # -- the main thread --
+
+    def take(self, queue: str | None = None) -> Lease | None:
+        """The next job held ahead (of ``queue``, if given), or ``None``."""
+        with self._lock:
+            if self._ahead and queue in (None, self._ahead[0].queue):
+                return self._ahead.popleft()
+        return None
+
+    def hold(self, lease: Lease) -> None:
+        """Keep a job leased ahead by other means (an ack that also leased the next job)."""
+        with self._lock:
+            self._ahead.append(lease)
+
+    def claim(self, queues: list[str], stopping: bool) -> None:
+        """Claim the next batch, the admitted job and as many more as its size and the run's
+        tickets allow, writing the waiting acks in the same round trip. The queues are tried in
+        order; the first that has jobs fills the batch."""
+        assert self.tickets is not None, "claims are made by a run"
+        size = max(1, min(self.maximum, int(BATCH_SECONDS / max(self._job_seconds, 1e-6))))
+        extra = self.tickets.reserve(size - 1, stopping)
+        acks = self._take_acks()
+        claimed: list[Lease] = []
+        try:
+            for queue in queues:
+                lost, claimed = self.backend.ack_many_and_fetch(acks, queue, extra + 1)
+                self._count_lost(lost)
+                acks = []
+                if claimed:
+                    break
+        except BaseException:
+            self._put_back(acks)
+            self.tickets.give_back(extra)
+            raise
+        self.tickets.give_back(extra - max(len(claimed) - 1, 0))
+        with self._lock:
+            self._ahead.extend(claimed)
+        if claimed:
+            self._claimed_at = time.monotonic()
+            self.heartbeat.after(self._claimed_at + BATCH_SECONDS, self._watch)
+
+    def timed(self, seconds: float) -> None:
+        """One job took ``seconds``: the size of the next batches follows."""
+        self._job_seconds += SMOOTHING * (seconds - self._job_seconds)
+
+    def ack_later(self, lease: Lease) -> None:
+        """The pipeline's ack: written with the next claim or by the heartbeat thread."""
+        if lease.result is not NO_RESULT:  # its value is written with its own ack
+            return self.backend.ack(lease)
+        with self._lock:
+            self._acks.append(lease)
+
+    def finish(self) -> None:
+        """The run ends: write the waiting acks and hand back every job held ahead."""
+        self.heartbeat.cancel()
+        self.flush()
+        self.hand_back()
+
+    # -- either thread --
+
+    def flush(self) -> None:
+        """Write the waiting acks now; a backend error is retried a few times, then the jobs
+        are left to the reaper (they will run again). Never raises."""
+        acks = self._take_acks()
+        if not acks:
+            return
+        try:
+            self._count_lost(self.settle(self.backend.ack_many, acks))
+        except Exception:
+            logger.exception("could not write the acks of %d completed job(s); they will run again", len(acks))
+
+    def hand_back(self) -> None:
+        """Jobs held ahead go straight back, not counted as runs, with their tickets."""
+        with self._lock:
+            leases = list(self._ahead)
+            self._ahead.clear()
+        for lease in leases:
+            if lease.envelope is None:
+                continue  # undecodable: the reaper settles it (nothing of it can be trusted)
+            try:
+                self.backend.nack(lease, 0, count_run=False)
+            except Exception:
+                logger.warning("job %s: could not hand back the job leased ahead", lease.token, exc_info=True)
+        if leases and self.tickets is not None:
+            self.tickets.give_back(len(leases))
+
+    def extend(self) -> None:
+        """Heartbeat, while a job runs: keep the jobs held ahead of it leased (one found lost
+        is not run: the pipeline's start check sees it)."""
+        with self._lock:
+            leases = tuple(self._ahead)
+        for lease in leases:
+            try:
+                self.backend.extend(lease, self.lease_seconds)
+            except LeaseLost:
+                continue
+
+    # -- the heartbeat thread --
+
+    def _watch(self) -> None:
+        """Every ``BATCH_SECONDS`` while a batch lasts: write its acks; after
+        ``HAND_BACK_AFTER``, hand back the jobs still waiting in it."""
+        self.flush()
+        if self._ahead and time.monotonic() - self._claimed_at >= HAND_BACK_AFTER:
+            self.hand_back()
+        if self._ahead or self._acks:
+            self.heartbeat.after(time.monotonic() + BATCH_SECONDS, self._watch)
+
+    # -- helpers --
+
+    def _take_acks(self) -> list[Lease]:
+        with self._lock:
+            acks, self._acks = self._acks, []
+        return acks
+
+    def _put_back(self, acks: list[Lease]) -> None:
+        if acks:
+            with self._lock:
+                self._acks[:0] = acks
+
+    def _count_lost(self, lost: list[Lease]) -> None:
+        for lease in lost:
+            self.metrics.increment("jobs_lease_lost", queue=lease.queue)
+            logger.warning("job %s: lease lost before its ack was written (reaped; it may run again)", lease.token)
