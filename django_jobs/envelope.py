@@ -196,7 +196,7 @@ class Envelope:
     def from_dict(cls, data: dict[str, Any]) -> Envelope:
         """Build an envelope from untrusted values, checking each field's type."""
         try:
-            values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+            values = {name: data[name] for name in _WIRE_FIELDS if name in data}
             env = cls(**values)
         except TypeError as exc:
             raise InvalidPayload(f"malformed envelope: {exc}") from exc

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
 
 from . import conf
 from .exceptions import BadSignature, InvalidPayload
@@ -102,12 +103,32 @@ def _checked(setting: str, value: Any, problem: str | None) -> Any:
     return value
 
 
+# The keys worked out from the settings, until a setting they come from changes.
+_current_keys: tuple[bytes, ...] | None = None
+
+
 def signing_keys() -> tuple[bytes, ...]:
     """The current key first, then the fallbacks still accepted when verifying.
 
     Raises ``ImproperlyConfigured`` for an empty key, a key that is not str or bytes, or a
     str where a list of keys is meant: such settings never sign or verify anything.
     """
+    global _current_keys
+    if _current_keys is None:  # worked out once per settings: every sign and verify asks
+        _current_keys = _signing_keys()
+    return _current_keys
+
+
+def _forget_keys(setting: str, **kwargs: Any) -> None:
+    global _current_keys
+    if setting in ("JOBS", "SECRET_KEY", "SECRET_KEY_FALLBACKS"):
+        _current_keys = None
+
+
+setting_changed.connect(_forget_keys)
+
+
+def _signing_keys() -> tuple[bytes, ...]:
     current = conf.get("SIGNING_KEY")
     if current is not None:
         _checked("JOBS['SIGNING_KEY']", current, key_problem(current))

@@ -55,7 +55,7 @@ def _dt(value: Any) -> datetime | None:
     return cast("datetime | None", value)
 
 
-def _row_fields(row: tuple[Any, ...], queue: str) -> dict[str, Any]:
+def _row_fields(row: tuple[Any, ...], queue: str, limit: int) -> dict[str, Any]:
     """Envelope fields of a claimed row, treating every column as untrusted."""
     (
         job_id,
@@ -71,7 +71,6 @@ def _row_fields(row: tuple[Any, ...], queue: str) -> dict[str, Any]:
         timeout,
         idempotency_key,
     ) = row
-    limit = conf.get("MAX_MESSAGE_BYTES")
     try:
         if len(payload) + len(options) > limit:
             raise InvalidPayload(f"row of {len(payload)} payload bytes exceeds the {limit}-byte cap")
@@ -275,12 +274,13 @@ class DatabaseBackend(QueueBackend):
         row = reply[1:] if reply[1] is not None else None
         return self._leased(row, owner, expires, queue)
 
-    def _leased(self, row: Any, owner: str, expires: datetime, queue: str) -> Lease | None:
+    def _leased(self, row: Any, owner: str, expires: datetime, queue: str, limit: int = 0) -> Lease | None:
+        """The Lease of a claimed row; ``limit``: the message size cap (read now if not given)."""
         if row is None:
             return None
         lease = Lease(token=row[0], owner_token=owner, expires_at=expires, queue=queue, raw=row)
         try:
-            lease.envelope = Envelope.from_dict(_row_fields(row, queue))
+            lease.envelope = Envelope.from_dict(_row_fields(row, queue, limit or conf.get("MAX_MESSAGE_BYTES")))
         except InvalidPayload as exc:
             lease.error = exc
         return lease
@@ -393,9 +393,9 @@ class DatabaseBackend(QueueBackend):
 
     def _batch(self, rows: list[Any], owner: str, expires: datetime, queue: str) -> list[Lease]:
         """Leases for a claimed batch, in the order the claim chose them (RETURNING has none)."""
-        leases = []
+        leases, limit = [], conf.get("MAX_MESSAGE_BYTES")
         for row in rows:
-            lease = self._leased(row[1:], owner, expires, queue)
+            lease = self._leased(row[1:], owner, expires, queue, limit)
             assert lease is not None
             lease.ahead, lease.must_begin = True, row[0] == ClaimedAhead.LOST
             leases.append(lease)
