@@ -13,10 +13,10 @@ import os
 import socket
 from datetime import datetime
 
-from django.db import router
+from django.db import connections, router
 from django.utils import timezone
 
-from . import conf
+from . import conf, rows
 from .metrics import get_collector
 from .models import JobAttempt
 
@@ -58,19 +58,21 @@ def record(
         if limit <= 0:
             return
         db = using or router.db_for_write(JobAttempt)
-        attempts = JobAttempt.objects.using(db)
-        attempts.create(
-            job_id=job_id,
-            attempt=attempt,
-            outcome=outcome,
-            worker_id=worker_id() if worker is None else worker,
-            started_at=started_at,
-            finished_at=timezone.now(),
-            error_class=error_class[:255],
-            error=error,
-        )
+        values = {
+            "job_id": job_id,
+            "attempt": attempt,
+            "outcome": outcome,
+            "worker_id": worker_id() if worker is None else worker,
+            "started_at": started_at,
+            "finished_at": timezone.now(),
+            "error_class": error_class[:255],
+            "error": error,
+        }
+        # A record of what happened, not queue state: on PostgreSQL it commits without waiting
+        # for the disk (a database crash may lose its last moments, never a job).
+        rows.insert(connections[db], JobAttempt, values, async_commit=True)
         if attempt > limit:  # rare: a short history costs no extra statement
-            attempts.filter(job_id=job_id, attempt__lte=attempt - limit).delete()
+            JobAttempt.objects.using(db).filter(job_id=job_id, attempt__lte=attempt - limit).delete()
     except Exception:
         get_collector().increment("jobs_history_errors")
         logger.exception("could not record attempt %d of job %s in its history", attempt, job_id)

@@ -130,8 +130,31 @@ def format_error(exc: BaseException) -> str:
         message = str(exc)
     except Exception as broken:  # noqa: BLE001 - describing the error must not become one
         message = f"<unprintable {type(exc).__name__}: str() raised {type(broken).__name__}>"
-    text = f"{type(exc).__name__}: {message}\n" + "".join(traceback.format_exception(exc))
+    text = f"{type(exc).__name__}: {message}\n" + "".join(_plain(traceback.TracebackException.from_exception(exc)).format())
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 20] + "\n... (truncated)"
+
+
+class _NoCarets(traceback.StackSummary):
+    """Frames as ``File ..., line ..., in ...`` and their source line, without the ``^^^``
+    markers, which Python works out by parsing each line again (most of a failure's cost)."""
+
+    def format_frame_summary(self, frame_summary: traceback.FrameSummary, **kwargs: Any) -> str:
+        where = f'  File "{frame_summary.filename}", line {frame_summary.lineno}, in {frame_summary.name}\n'
+        line = (frame_summary.line or "").strip()
+        return where + (f"    {line}\n" if line else "")
+
+
+def _plain(error: traceback.TracebackException) -> traceback.TracebackException:
+    """``error`` with every stack of its chain (causes, contexts, groups) formatted plainly."""
+    todo, seen = [error], set()
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.stack.__class__ = _NoCarets
+        todo += [e for e in (current.__cause__, current.__context__, *(current.exceptions or ())) if e is not None]
+    return error
 
 
 @dataclass(slots=True)

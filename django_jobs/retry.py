@@ -110,7 +110,9 @@ class RetryPolicy:
         try:
             # float(): an int multiplier would build an exact power of any size (a huge attempt
             # count off the wire); a float power overflows at once instead.
-            raw = self.base * float(multiplier) ** (attempt - 2)
+            growth = float(multiplier) ** (attempt - 2)
+            # A growth that underflows to 0 while base * growth would not: work it out in logs.
+            raw = self.base * growth if growth or not multiplier else _product_in_logs(self.base, multiplier, attempt - 2)
         except OverflowError:
             return self.cap
         return self.cap if math.isnan(raw) else min(clamp_delay(raw), self.cap)
@@ -194,3 +196,9 @@ def reaping(job_id: Any, queue: str, fatal: tuple[type[BaseException], ...] = ()
     except Exception:
         logger.exception("reaper: could not recover the expired lease of job %r on %s; skipped", job_id, queue)
         get_collector().increment("jobs_reap_errors", queue=queue)
+
+
+def _product_in_logs(base: float, multiplier: float, exponent: int) -> float:
+    """``base * multiplier ** exponent`` for a power too small for a float (0 below ~1e-308)."""
+    logarithm = math.log(base) + exponent * math.log(multiplier)
+    return math.exp(logarithm) if logarithm > -745 else 0.0

@@ -22,7 +22,7 @@ from django.db.models import Count, Q
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from .. import conf
+from .. import conf, rows
 from ..envelope import Envelope
 from ..exceptions import InvalidPayload, LeaseLost, WorkerLost
 from ..models import ClaimedAhead, Job, JobStatus, envelope_columns
@@ -155,7 +155,7 @@ class DatabaseBackend(QueueBackend):
         conn = self._conn
         if conn.vendor != "postgresql" or conn.settings_dict.get("OPTIONS", {}).get("server_side_binding"):
             return self._execute(sql, params, every_row=every_row)
-        suffix = "; SET LOCAL synchronous_commit = off" if self.async_commit and not conn.in_atomic_block else ""
+        suffix = rows.ASYNC_COMMIT if self.async_commit and rows.commits_async(conn) else ""
         if not (prepare and self.prepare) or conn.in_atomic_block:
             return self._execute(sql + suffix, params, every_row=every_row)
         name = self._prepared(sql, len(params))
@@ -215,15 +215,7 @@ class DatabaseBackend(QueueBackend):
     # -- protocol --
 
     def enqueue(self, envelope: Envelope) -> str:
-        """One INSERT with prepared values: the ORM's compiler would cost more than the
-        statement itself on the dispatch path."""
-        conn, values = self._conn, self._row(envelope, timezone.now())
-        fields = Job._meta.concrete_fields
-        columns = ", ".join(conn.ops.quote_name(f.column) for f in fields)
-        self._execute(
-            f"INSERT INTO {TABLE} ({columns}) VALUES ({', '.join(['%s'] * len(fields))})",
-            [f.get_db_prep_save(values[f.attname], conn) for f in fields],
-        )
+        rows.insert(self._conn, Job, self._row(envelope, timezone.now()))  # durable: never async
         return envelope.id
 
     def enqueue_many(self, envelopes: list[Envelope]) -> list[str]:
