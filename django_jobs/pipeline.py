@@ -130,7 +130,9 @@ def format_error(exc: BaseException) -> str:
         message = str(exc)
     except Exception as broken:  # noqa: BLE001 - describing the error must not become one
         message = f"<unprintable {type(exc).__name__}: str() raised {type(broken).__name__}>"
-    text = f"{type(exc).__name__}: {message}\n" + "".join(_plain(traceback.TracebackException.from_exception(exc)).format())
+    text = f"{type(exc).__name__}: {message}\n" + "".join(
+        _plain(traceback.TracebackException.from_exception(exc)).format()
+    )
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 20] + "\n... (truncated)"
 
 

@@ -112,7 +112,9 @@ class RetryPolicy:
             # count off the wire); a float power overflows at once instead.
             growth = float(multiplier) ** (attempt - 2)
             # A growth that underflows to 0 while base * growth would not: work it out in logs.
-            raw = self.base * growth if growth or not multiplier else _product_in_logs(self.base, multiplier, attempt - 2)
+            raw = (
+                self.base * growth if growth or not multiplier else _product_in_logs(self.base, multiplier, attempt - 2)
+            )
         except OverflowError:
             return self.cap
         return self.cap if math.isnan(raw) else min(clamp_delay(raw), self.cap)
