@@ -191,3 +191,30 @@ def stats(backend_names: list[str] | None = None) -> list[dict[str, Any]]:
             except Exception as exc:  # noqa: BLE001 - one unreachable broker must not hide the others
                 rows.append({"backend": name, "queue": queue, "error": f"{type(exc).__name__}: {exc}"})
     return rows
+
+
+# What ``jobs_list`` shows of a job, in this order (``--json`` adds nothing else).
+LISTED = (
+    "id", "status", "queue", "backend", "name", "handler", "attempts", "max_retries", "priority",
+    "available_at", "created_at", "updated_at", "finished_at", "last_error",
+)  # fmt: skip
+
+
+def list_jobs(
+    status: str | None = None, queue: str | None = None, backend: str | None = None, limit: int = 20
+) -> list[dict[str, Any]]:
+    """The newest ``limit`` jobs of the ``Job`` table (of every database holding it), most
+    recently changed first, as dicts of :data:`LISTED`. On a broker backend the table holds the
+    failed jobs (and the completed ones that keep a result), not those still queued."""
+    rows: list[dict[str, Any]] = []
+    for alias in job_aliases():
+        jobs = Job.objects.using(alias).all()
+        if status:
+            jobs = jobs.filter(status=status)
+        if queue:
+            jobs = jobs.filter(queue=queue)
+        if backend:
+            jobs = jobs.filter(backend=backend)
+        rows += jobs.order_by("-updated_at", "-id").values(*LISTED)[:limit]
+    rows.sort(key=lambda row: (row["updated_at"], row["id"]), reverse=True)
+    return rows[:limit]

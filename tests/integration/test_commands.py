@@ -14,7 +14,7 @@ from django.core.management import CommandError, call_command
 from django.test import override_settings
 from django.utils import timezone
 
-from django_jobs import Jobs
+from django_jobs import Jobs, operations
 from django_jobs.history import attempts_of
 from django_jobs.models import Job
 from django_jobs.pool import WorkerPool
@@ -224,6 +224,54 @@ def test_retry_reaches_a_database_backend_on_another_alias(postgres_up):
 
 def test_retry_of_unknown_ids_retries_nothing():
     assert run("jobs_retry", "does-not-exist") == "retried 0 job(s)\n"
+
+
+# -- jobs_list ----------------------------------------------------------------------------------------
+
+
+def test_list_shows_the_newest_jobs_with_their_first_error_line():
+    failed = finished("raise", max_retries=1)
+    done = finished("ok")
+    pending = scripted.dispatch(action="ok")
+
+    lines = run("jobs_list").splitlines()
+
+    assert lines[0].split()[:5] == ["id", "status", "queue", "runs", "changed"]
+    by_id = {line.split()[0]: line for line in lines[1:]}
+    assert set(by_id) == {failed, done, pending}
+    assert by_id[failed].split()[1:4] == ["failed", "default", "2/2"]
+    assert "RuntimeError: scripted failure" in by_id[failed]  # the first line of the error only
+    assert "Traceback" not in by_id[failed]
+    assert by_id[done].split()[1:4] == ["completed", "default", "1/1"]
+    assert by_id[pending].split()[1:4] == ["pending", "default", "0/1"]
+    assert lines[1].split()[0] == pending  # the newest change first
+
+
+def test_list_filters_by_status_queue_and_limit_and_prints_json():
+    failed = finished("raise")
+    finished("raise", queue="other")
+    finished("ok")
+
+    rows = json.loads(run("jobs_list", "--status", "failed", "--queue", "default", "--json"))
+
+    assert [row["id"] for row in rows] == [failed]
+    assert rows[0]["last_error"].startswith("RuntimeError: scripted failure") and "Traceback" in rows[0]["last_error"]
+    assert set(rows[0]) == set(operations.LISTED)
+    assert len(json.loads(run("jobs_list", "--limit", "2", "--json"))) == 2
+    assert run("jobs_list", "--status", "in_progress") == "no jobs\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--status", "lost"], "invalid choice: 'lost'"),
+        (["--limit", "0"], "--limit must be at least 1"),
+        (["--backend", "nope"], "nope"),
+    ],
+)
+def test_list_refuses_bad_options(argv, message):
+    with pytest.raises(CommandError, match=message):
+        run("jobs_list", *argv)
 
 
 # -- jobs_stats ---------------------------------------------------------------------------------------
