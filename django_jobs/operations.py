@@ -97,6 +97,9 @@ class RetryOutcome:
     notes: list[str] = field(default_factory=list)  # worth telling, not a failure
     # The rows retried, as they were before the retry (status failed, their runs and last error).
     jobs: list[Job] = field(default_factory=list)
+    # Of the ids asked for: those no database holds, and those not failed (id -> status).
+    unknown: list[str] = field(default_factory=list)
+    not_failed: dict[str, str] = field(default_factory=dict)
 
 
 def retry_by_id(ids: list[str] | None, queue: str | None = None) -> RetryOutcome:
@@ -113,6 +116,15 @@ def retry_by_id(ids: list[str] | None, queue: str | None = None) -> RetryOutcome
         outcome.jobs += more.jobs
         outcome.errors += more.errors
         outcome.notes += [note for note in more.notes if note not in outcome.notes]
+    if ids is not None:
+        retried = {job.pk for job in outcome.jobs}
+        found: dict[str, str] = {}
+        for alias in job_aliases():
+            rows = Job.objects.using(alias).filter(pk__in=ids).exclude(pk__in=retried)
+            found.update((str(pk), str(status)) for pk, status in rows.values_list("pk", "status"))
+        outcome.unknown = [i for i in dict.fromkeys(ids) if i not in found and i not in retried]
+        failed: str = JobStatus.FAILED  # type: ignore[assignment]
+        outcome.not_failed = {i: status for i, status in found.items() if status != failed}
     return outcome
 
 

@@ -193,7 +193,9 @@ def test_retry_by_ids():
     second = finished("raise")
     untouched = finished("raise")
     done = finished("ok")
-    assert run("jobs_retry", first, second, done) == "retried 2 job(s)\n"
+    err = StringIO()
+    assert run("jobs_retry", first, second, done, "nope", stderr=err) == "retried 2 job(s)\n"
+    assert err.getvalue().splitlines() == ["nope: no such job", f"{done}: not failed (it is completed); left alone"]
     for job_id in (first, second):
         job = Job.objects.get(pk=job_id)
         assert (job.status, job.attempts, job.last_error) == ("pending", 0, "")
@@ -222,8 +224,18 @@ def test_retry_reaches_a_database_backend_on_another_alias(postgres_up):
     assert Job.objects.using("postgres").get(pk=job_id).status == "pending"
 
 
-def test_retry_of_unknown_ids_retries_nothing():
-    assert run("jobs_retry", "does-not-exist") == "retried 0 job(s)\n"
+def test_retry_that_retries_none_of_the_given_ids_exits_non_zero():
+    done = finished("ok")
+    err = StringIO()
+    with pytest.raises(CommandError, match="none of the given jobs was retried"):
+        run("jobs_retry", "does-not-exist", done, stderr=err)
+    assert err.getvalue().splitlines() == [
+        "does-not-exist: no such job",
+        f"{done}: not failed (it is completed); left alone",
+    ]
+    assert Job.objects.get(pk=done).status == "completed"
+    # --all-failed with nothing failed is not an error (a cron job's quiet day).
+    assert run("jobs_retry", "--all-failed") == "retried 0 job(s)\n"
 
 
 # -- jobs_list ----------------------------------------------------------------------------------------
@@ -422,3 +434,19 @@ def test_jobs_work_starts_when_its_database_cannot_be_reached_yet():
     with mock.patch.object(MigrationRecorder, "applied_migrations", side_effect=OperationalError("down")):
         run("jobs_work", "--once")
     assert runs(key) == 1
+
+
+@pytest.mark.parametrize("name", ["jobs_work", "jobs_reap", "jobs_purge", "jobs_retry", "jobs_stats", "jobs_list"])
+def test_every_option_of_every_command_has_help_text(name):
+    from django.core.management import load_command_class
+
+    parser = load_command_class("django_jobs", name).create_parser("manage.py", name)
+    ours = [a for a in parser._actions if a.dest not in BASE_OPTIONS]
+    assert ours, name
+    assert [a.dest for a in ours if not a.help] == []
+
+
+# Django's own options, documented by Django.
+BASE_OPTIONS = {
+    "help", "version", "verbosity", "settings", "pythonpath", "traceback", "no_color", "force_color", "skip_checks",
+}  # fmt: skip

@@ -11,7 +11,7 @@ class Command(BaseCommand):
     help = "Re-dispatch failed jobs (the admin's 'retry' action)."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("ids", nargs="*", help="job ids")
+        parser.add_argument("ids", nargs="*", help="ids of failed jobs (jobs_list --status failed shows them)")
         parser.add_argument("--all-failed", action="store_true", help="every failed job")
         parser.add_argument("--queue", help="with --all-failed: only this queue")
 
@@ -21,6 +21,12 @@ class Command(BaseCommand):
         outcome = operations.retry_by_id(opts["ids"] or None, opts["queue"])
         for error in outcome.errors:
             self.stderr.write(error)
+        for job_id in outcome.unknown:
+            self.stderr.write(f"{job_id}: no such job")
+        for job_id, status in outcome.not_failed.items():
+            self.stderr.write(f"{job_id}: not failed (it is {status}); left alone")
         for note in outcome.notes:
             self.stdout.write(f"note: {note}")
         self.stdout.write(f"retried {outcome.retried} job(s)")
+        if opts["ids"] and not outcome.retried:
+            raise CommandError("none of the given jobs was retried")

@@ -17,7 +17,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--backend", action="append", help="only this backend (repeatable)")
-        parser.add_argument("--json", action="store_true")
+        parser.add_argument("--json", action="store_true", help="print JSON, one object per backend and queue")
 
     def handle(self, *args: Any, **opts: Any) -> None:
         names = [_validate.backend(name) for name in opts["backend"]] if opts["backend"] else None
