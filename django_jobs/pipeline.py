@@ -493,7 +493,9 @@ class DeliveryPipeline:
         elif outcome is Outcome.DEAD_LETTERED and env is not None:
             self.metrics.increment("jobs_failed_permanently", queue=queue)
             text = verdict.error or ""
-            logger.critical(
+            # An expected end of a job (its retries spent, or an error no retry can fix): ERROR.
+            # CRITICAL is kept for the worker's own emergencies (a job stuck past its timeout).
+            logger.error(
                 "job %s (%s) failed permanently after %d run(s): %s",
                 env.id,
                 env.name or env.handler,

@@ -105,7 +105,7 @@ def settle_lost_runs(backend: QueueBackend, lease: Lease, lost: int, how: str) -
     The broker's own delivery count shows that ``lost`` earlier deliveries of this message ended
     without a settle (a worker crashed or stalled): each is a failed run, already added to
     ``lease.envelope.attempts``. As ``reap_expired`` does for the other backends, a job whose
-    retries are spent is failed (``abandon``, logged as critical and counted as
+    retries are spent is failed (``abandon``, logged as an error and counted as
     ``jobs_failed_permanently``, as the worker does) and one with retries left waits for its
     backoff (``nack``), neither counted again. Returns ``True`` when it settled the lease that
     way, and ``False`` when the lease is to be handed to the worker now (no lost run, a retry
@@ -128,7 +128,7 @@ def settle_lost_runs(backend: QueueBackend, lease: Lease, lost: int, how: str) -
         if delay is None:
             backend.abandon(lease, error, count_run=False)
             metrics.increment("jobs_failed_permanently", queue=lease.queue)
-            logger.critical(
+            logger.error(
                 "job %s (%s) failed permanently after %d run(s): %s",
                 env.id,
                 env.name or env.handler,

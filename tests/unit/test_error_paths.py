@@ -681,3 +681,17 @@ def test_jobs_retry_wants_ids_or_all_failed_not_both(argv):
 
     with pytest.raises(CommandError, match="give job ids or --all-failed"):
         call_command("jobs_retry", *argv)
+
+
+@pytest.mark.django_db
+def test_a_job_failed_for_good_is_logged_as_an_error_not_a_critical(caplog):
+    from tests.testapp.jobs import scripted
+
+    job_id = scripted.using(max_retries=0).dispatch(action="raise")
+    with caplog.at_level(logging.DEBUG, logger="django_jobs.worker"):
+        [result] = [QueueWorker("default").process_once()]
+    assert result.status == Outcome.DEAD_LETTERED
+    [record] = [r for r in caplog.records if "failed permanently" in r.getMessage()]
+    assert record.levelno == logging.ERROR
+    assert record.job_id == job_id and record.last_error.startswith("RuntimeError: scripted failure")
+    assert not [r for r in caplog.records if r.levelno >= logging.CRITICAL]
