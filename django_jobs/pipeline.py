@@ -82,6 +82,9 @@ class WorkerResult:
     seconds: float = 0.0
     # What the run raised (for tests that re-raise it); not part of the result's value.
     exception: BaseException | None = field(default=None, compare=False, repr=False)
+    # A failed run requeued for another: seconds until it is due, and the most runs it may have.
+    retry_in: float | None = None
+    max_runs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,6 +402,7 @@ class DeliveryPipeline:
             else:
                 self._count(lease, verdict)
                 self._recorded(lease, verdict)
+        retried = outcome is Outcome.REQUEUED and verdict.count_run
         return WorkerResult(
             outcome,
             job_id=job_id,
@@ -408,6 +412,8 @@ class DeliveryPipeline:
             handler=env.handler if env is not None else None,
             seconds=verdict.seconds,
             exception=verdict.exception,
+            retry_in=verdict.delay if retried else None,
+            max_runs=env.max_retries + 1 if retried and env is not None else None,
         )
 
     def _tell_backend(

@@ -238,6 +238,17 @@ def test_retry_that_retries_none_of_the_given_ids_exits_non_zero():
     assert run("jobs_retry", "--all-failed") == "retried 0 job(s)\n"
 
 
+def test_jobs_work_says_when_a_failed_run_will_be_retried():
+    job_id = scripted.using(max_retries=3, backoff={"strategy": "fixed", "base": 4, "jitter": False}).dispatch(
+        action="raise"
+    )
+
+    [line] = [line for line in run("jobs_work", "--once").splitlines() if job_id in line]
+
+    assert line.split()[0] == "requeued" and "attempt=1" in line
+    assert "retry 2/4 in 4.0s" in line and "RuntimeError: scripted failure" in line
+
+
 # -- jobs_list ----------------------------------------------------------------------------------------
 
 

@@ -97,8 +97,11 @@ class Command(BaseCommand):
 
     def report(self, result: WorkerResult) -> None:
         error = f"  {result.error.splitlines()[0]}" if result.error else ""
+        retry = ""
+        if result.retry_in is not None and result.attempt is not None:
+            retry = f"  retry {result.attempt + 1}/{result.max_runs} in {result.retry_in:.1f}s"
         self.stdout.write(
             f"{result.status:<18} {result.job_id} {result.handler} queue={result.queue} "
-            f"attempt={result.attempt} {result.seconds:.3f}s{error}"
+            f"attempt={result.attempt} {result.seconds:.3f}s{retry}{error}"
         )
         self.stdout.flush()
