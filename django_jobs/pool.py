@@ -84,9 +84,12 @@ class WorkerPool:
         sleep: float | None = None,
         on_result: Callable[[WorkerResult], None] | None = None,
         recover: Callable[[str, str, str | None], object] | None = None,
+        on_start: Callable[[], None] | None = None,
+        on_stop: Callable[[], None] | None = None,
     ) -> None:
         """``recover(queue, owner_token, job_in_hand)`` is called when a worker process dies
-        holding claims (:func:`~django_jobs.reaper.recover_claims`)."""
+        holding claims (:func:`~django_jobs.reaper.recover_claims`); ``on_start`` and
+        ``on_stop`` run in each worker process before and after its run."""
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self.make_worker = make_worker
@@ -94,6 +97,7 @@ class WorkerPool:
         self.run_options: _RunOptions = {"max_time": max_time, "once": once, "sleep": sleep, "on_result": on_result}
         self.budget = SharedBudget(max_jobs) if max_jobs is not None else None
         self.recover = recover
+        self.on_start, self.on_stop = on_start, on_stop  # in each worker process, around its run
         # pid -> slot, state, start, claims
         self.children: dict[int, tuple[int, Synchronized[int], float, ctypes.Array[ctypes.c_char]]] = {}
         self.stopping = False
@@ -200,7 +204,11 @@ class WorkerPool:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             if self.stopping:
                 worker.stop()
+            if self.on_start is not None:
+                self.on_start()
             worker.run(budget=self.budget, **self.run_options)
+            if self.on_stop is not None:
+                self.on_stop()
             worker.backend.close()  # hands back anything still held for us (a reserved-ahead job)
             state.value = FINISHED
             code = 0

@@ -29,6 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SAFETY_MAX_TIME = 150
 
 START_LINE = "django-jobs worker started"
+STOP_LINE = "django-jobs worker stopped"
 
 
 def worker_env(lease_timeout: float | None = None, **extra: str) -> dict[str, str]:
@@ -130,7 +131,7 @@ class Proc:
 
     def job_lines(self, status: str | None = None) -> list[str]:
         """The per-job lines printed so far (``status`` filters on the first column)."""
-        lines = [line for line in list(self.out) if line and not line.startswith(START_LINE)]
+        lines = [line for line in list(self.out) if line and not line.startswith((START_LINE, STOP_LINE))]
         return [line for line in lines if status is None or line.split()[0] == status]
 
     # -- ending --

@@ -217,7 +217,7 @@ def _results_by_job(fleet: Fleet) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for line in fleet.lines("out"):
         parts = line.split()
-        if len(parts) >= 2 and not line.startswith("django-jobs worker started"):
+        if len(parts) >= 2 and not line.startswith(("django-jobs worker started", "django-jobs worker stopped")):
             out.setdefault(parts[1], []).append(parts[0])
     return out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from datetime import timedelta
 from io import StringIO
 from typing import Any
@@ -247,6 +248,25 @@ def test_jobs_work_says_when_a_failed_run_will_be_retried():
 
     assert line.split()[0] == "requeued" and "attempt=1" in line
     assert "retry 2/4 in 4.0s" in line and "RuntimeError: scripted failure" in line
+
+
+def test_jobs_work_ends_with_a_summary_and_lists_the_jobs_at_verbosity_2():
+    scripted.dispatch(action="ok")
+    scripted.using(max_retries=0).dispatch(action="raise")
+
+    lines = run("jobs_work", "--max", "2", verbosity=2).splitlines()
+
+    assert lines[0].startswith("django-jobs worker started: backend=default queues=default")
+    assert lines[1].startswith("registered jobs (") and "tests.testapp.jobs.scripted" in lines[1]
+    assert [line.split()[0] for line in lines[2:4]] == ["acked", "dead-lettered"]
+    assert lines[-1].startswith(f"django-jobs worker stopped: process {os.getpid()}, 2 deliveries in ")
+    assert lines[-1].endswith(": 1 acked, 1 dead-lettered")
+
+
+def test_jobs_work_at_verbosity_0_prints_only_its_start_line():
+    scripted.dispatch(action="ok")
+    lines = run("jobs_work", "--once", verbosity=0).splitlines()
+    assert len(lines) == 1 and lines[0].startswith("django-jobs worker started")
 
 
 # -- jobs_list ----------------------------------------------------------------------------------------

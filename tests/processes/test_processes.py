@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from django_jobs import Jobs
 from django_jobs.models import Job
-from tests.procs import START_LINE, pid_alive, processes, wait_until, worker_env
+from tests.procs import START_LINE, STOP_LINE, pid_alive, processes, wait_until, worker_env
 from tests.testapp.jobs import scripted
 from tests.testapp.models import SideEffect
 
@@ -306,7 +306,9 @@ def test_once_runs_one_job_and_exits_0():
         code, worker = procs.run("jobs_work", "--backend", "pg", "--once", env=worker_env(), timeout=30)
     assert code == 0, worker.output()
     assert worker.out[0].startswith(START_LINE), worker.output()
-    assert [line.split()[:2] for line in worker.out[1:]] == [["acked", ids[0]]], worker.output()
+    assert [line.split()[:2] for line in worker.job_lines()] == [["acked", ids[0]]], worker.output()
+    assert worker.out[-1].startswith(f"{STOP_LINE}: process {worker.pid}, 1 deliveries in "), worker.output()
+    assert worker.out[-1].endswith(": 1 acked"), worker.output()
     assert [job(i).status for i in ids] == ["completed", "pending"]
 
 
@@ -315,7 +317,8 @@ def test_once_with_an_empty_queue_exits_0():
     with processes() as procs:
         code, worker = procs.run("jobs_work", "--backend", "pg", "--once", env=worker_env(), timeout=30)
     assert code == 0, worker.output()
-    assert len(worker.out) == 1 and worker.out[0].startswith(START_LINE), worker.output()
+    assert worker.out[0].startswith(START_LINE) and worker.job_lines() == [], worker.output()
+    assert worker.out[1].startswith(f"{STOP_LINE}: process {worker.pid}, 0 deliveries"), worker.output()
 
 
 @pytest.mark.slow
@@ -325,7 +328,7 @@ def test_max_n_runs_n_jobs_and_exits_0():
         code, worker = procs.run("jobs_work", "--backend", "pg", "--max", "3", env=worker_env(), timeout=30)
     assert code == 0, worker.output()
     assert worker.out[0].startswith(START_LINE), worker.output()
-    assert [line.split()[:2] for line in worker.out[1:]] == [["acked", i] for i in ids[:3]], worker.output()
+    assert [line.split()[:2] for line in worker.job_lines()] == [["acked", i] for i in ids[:3]], worker.output()
     assert [job(i).status for i in ids] == ["completed"] * 3 + ["pending"] * 2
 
 

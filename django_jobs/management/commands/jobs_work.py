@@ -11,9 +11,9 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_jobs import registry, signing
 from django_jobs.pool import STOP_SIGNALS, WorkerPool
 from django_jobs.reaper import recover_claims
-from django_jobs.worker import QueueWorker, WorkerResult
+from django_jobs.worker import QueueWorker
 
-from . import _validate
+from . import _report, _validate
 
 
 class Command(BaseCommand):
@@ -48,12 +48,14 @@ class Command(BaseCommand):
             raise CommandError(_validate.one_line(exc)) from exc
         _validate.migrated(backend)
         prefetch = opts["prefetch"]
+        self.report = _report.Report(self.stdout, opts["verbosity"])
+        per_job = opts["verbosity"] >= 1
         limits: dict[str, Any] = {
             "max_jobs": 1 if opts["once"] else opts["max_jobs"],
             "max_time": opts["max_time"],
             "once": opts["once"],
             "sleep": opts["sleep"],
-            "on_result": self.report if opts["verbosity"] >= 1 else None,  # one line per job
+            "on_result": self.report.result if per_job else None,  # one line per job
         }
         if opts["concurrency"] == 1 and (opts["once"] or opts["max_jobs"] is not None):
             self.work_here(QueueWorker(backend, queues, exit_on_hard_timeout=True, prefetch=prefetch), limits)
@@ -62,10 +64,12 @@ class Command(BaseCommand):
             lambda: QueueWorker(backend, queues, prefetch=prefetch),
             opts["concurrency"],
             recover=functools.partial(recover_claims, backend),
+            on_start=self.report.restart,
+            on_stop=self.report.stopped if per_job else None,
             **limits,
         )
         pool.install_signal_handlers()
-        self.started(backend, queues, opts["concurrency"])
+        self.report.started(backend, queues, opts["concurrency"])
         if pool.run():
             raise CommandError("worker processes keep dying at start-up (see the errors logged above); giving up")
 
@@ -79,8 +83,10 @@ class Command(BaseCommand):
         main = threading.current_thread() is threading.main_thread()
         previous = {signum: signal.signal(signum, lambda *_: worker.stop()) for signum in STOP_SIGNALS} if main else {}
         try:
-            self.started(worker.backend.name, worker.queues, 1)
+            self.report.started(worker.backend.name, worker.queues, 1)
             worker.run(**limits)
+            if self.report.verbosity >= 1:
+                self.report.stopped()
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, signal.SIG_DFL if handler is None else handler)
@@ -88,20 +94,3 @@ class Command(BaseCommand):
             # connection is the caller's own, perhaps in its transaction: it stays open.
             if not worker.backend.transactional:
                 worker.backend.close()
-
-    def started(self, backend: str, queues: list[str], concurrency: int) -> None:
-        self.stdout.write(
-            f"django-jobs worker started: backend={backend} queues={','.join(queues)} concurrency={concurrency}"
-        )
-        self.stdout.flush()
-
-    def report(self, result: WorkerResult) -> None:
-        error = f"  {result.error.splitlines()[0]}" if result.error else ""
-        retry = ""
-        if result.retry_in is not None and result.attempt is not None:
-            retry = f"  retry {result.attempt + 1}/{result.max_runs} in {result.retry_in:.1f}s"
-        self.stdout.write(
-            f"{result.status:<18} {result.job_id} {result.handler} queue={result.queue} "
-            f"attempt={result.attempt} {result.seconds:.3f}s{retry}{error}"
-        )
-        self.stdout.flush()
