@@ -154,7 +154,7 @@ class Batches:
             if lease.envelope is None:
                 continue  # undecodable: the reaper settles it (nothing of it can be trusted)
             try:
-                self.backend.nack(lease, 0, count_run=False)
+                self.backend.release(lease)
             except Exception:
                 logger.warning("job %s: could not hand back the job leased ahead", lease.token, exc_info=True)
         if leases and self.tickets is not None:

@@ -201,6 +201,12 @@ class QueueBackend(ABC):
         is no longer ours raises ``LeaseLost``."""
         self.extend(lease, seconds)
 
+    def release(self, lease: Lease) -> None:
+        """Hand back a job that did not start (its worker stops, or it waited behind a long
+        job): ready again at once, not counted as a run, keeping its place in its queue where the
+        backend can (the database backend does; the default queues it again, as ``nack``)."""
+        self.nack(lease, 0, count_run=False)
+
     def lose_claims(self, queue: str, owner_token: str, running: str | None) -> None:
         """The worker that claimed jobs of ``queue`` under ``owner_token`` died, as its
         supervisor saw: every lease of that claim expires now, so the next ``reap_expired``

@@ -449,6 +449,10 @@ class DatabaseBackend(QueueBackend):
             [int(count_run), self._adapt(available), bool(error), error],
         )
 
+    def release(self, lease: Lease) -> None:
+        """Pending again with its own ``available_at``: it keeps its place (FIFO)."""
+        self._settle(lease, "status = 'pending'", [])
+
     def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
         self._settle(
             lease,

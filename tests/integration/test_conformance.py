@@ -867,6 +867,25 @@ def test_lost_claims_are_recovered_at_once_counting_only_the_job_in_hand(queue_b
     assert elsewhere.envelope.id == other.id
 
 
+def test_release_hands_a_claimed_job_back_uncounted(queue_backend, backend_case):
+    require_prefetch(queue_backend)
+    first, second = enqueue(queue_backend, backend_case), enqueue(queue_backend, backend_case)
+    [lease] = queue_backend.fetch_many("default", 1)
+    before = record(backend_case, queue_backend, first.id).available_at if backend_case.record else None
+
+    queue_backend.release(lease)
+
+    with pytest.raises(LeaseLost):
+        queue_backend.release(lease)  # fenced: it is no longer held
+    again = {lease.envelope.id: lease for lease in queue_backend.fetch_many("default", 5)}
+    assert set(again) == {first.id, second.id}
+    assert again[first.id].envelope.attempts == 0 and not again[first.id].must_begin
+    if backend_case.record:  # the database keeps its place: the same available_at, first again
+        row = record(backend_case, queue_backend, first.id)
+        assert (row.available_at, row.claimed_ahead) == (before, 1)
+        assert next(iter(again)) == first.id
+
+
 def test_begin_is_fenced(queue_backend, backend_case):
     require_prefetch(queue_backend)
     enqueue(queue_backend, backend_case)
