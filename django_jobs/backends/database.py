@@ -38,6 +38,8 @@ logger = logging.getLogger("django_jobs.backends.database")
 _RESULT = Job._meta.get_field("result")
 # Every settle: the row is no longer leased, nor claimed ahead.
 RELEASED = "owner_token = NULL, leased_until = NULL, claimed_ahead = 0"
+# A batch's acks (one run each). Parameters: finished_at, updated_at.
+ACKED = f"status = 'completed', attempts = attempts + 1, finished_at = %s, {RELEASED}, updated_at = %s"
 # A new row's defaults (the model's own), by attribute name.
 _DEFAULTS = {field.attname: field.get_default() for field in Job._meta.concrete_fields}
 RETURNED = (
@@ -153,9 +155,9 @@ class DatabaseBackend(QueueBackend):
         it is still one round trip; never inside the caller's transaction). ``prepare``: run it
         as a statement prepared on this connection."""
         conn = self._conn
-        if conn.vendor != "postgresql" or conn.settings_dict.get("OPTIONS", {}).get("server_side_binding"):
+        if not rows.simple_protocol(conn):
             return self._execute(sql, params, every_row=every_row)
-        suffix = rows.ASYNC_COMMIT if self.async_commit and rows.commits_async(conn) else ""
+        suffix = rows.ASYNC_COMMIT if self.async_commit and not conn.in_atomic_block else ""
         if not (prepare and self.prepare) or conn.in_atomic_block:
             return self._execute(sql + suffix, params, every_row=every_row)
         name = self._prepared(sql, len(params))
@@ -361,8 +363,7 @@ class DatabaseBackend(QueueBackend):
         """PostgreSQL: ack many rows, each fenced on its own (id, owner token) pair.
         Parameters: finished_at, updated_at, ids, owner tokens."""
         return (
-            f"UPDATE {TABLE} SET status = 'completed', attempts = attempts + 1, finished_at = %s, {RELEASED}, "
-            f"updated_at = %s FROM unnest(%s::text[], %s::text[]) AS acked(id, owner) "
+            f"UPDATE {TABLE} SET {ACKED} FROM unnest(%s::text[], %s::text[]) AS acked(id, owner) "
             f"WHERE {TABLE}.id = acked.id AND {TABLE}.owner_token = acked.owner"
         )
 
@@ -375,10 +376,7 @@ class DatabaseBackend(QueueBackend):
             return []
         now = self._adapt(timezone.now())
         pairs = ", ".join(["(%s, %s)"] * len(leases))
-        sql = (
-            f"UPDATE {TABLE} SET status = 'completed', attempts = attempts + 1, finished_at = %s, {RELEASED}, "
-            f"updated_at = %s WHERE (id, owner_token) IN (VALUES {pairs}) RETURNING id"
-        )
+        sql = f"UPDATE {TABLE} SET {ACKED} WHERE (id, owner_token) IN (VALUES {pairs}) RETURNING id"
         params = [now, now, *(value for lease in leases for value in (lease.token, lease.owner_token))]
         _, rows = self._execute(sql, params, every_row=True)
         return _lost(leases, {row[0] for row in rows})
