@@ -140,13 +140,12 @@ class WorkerPool:
             except ChildProcessError:
                 break
             slot, state, started, claims = self.children.pop(pid)
-            if state.value != FINISHED:
-                self._recover(claims)
-            if state.value == FINISHED or self.stopping:
+            if state.value == FINISHED:
+                continue
+            if self.stopping or (self.budget is not None and self.budget.exhausted()):
+                self._recover(claims)  # not replaced: its jobs go back now all the same
                 continue
             code = os.waitstatus_to_exitcode(status)
-            if self.budget is not None and self.budget.exhausted():
-                continue
             lived = time.monotonic() - started
             quick_deaths = quick_deaths + 1 if state.value == STARTING else 0
             if quick_deaths >= STARTUP_DEATHS:
@@ -161,6 +160,7 @@ class WorkerPool:
                 self._on_signal(signal.SIGTERM, None)  # stop the others; their jobs finish first
                 continue
             logger.error("worker process %d (slot %d) died with status %s; starting a new one", pid, slot, code)
+            self._recover(claims)  # after the death is logged: the job it ran counts from here
             if lived < 1:
                 time.sleep(1)  # do not spin if it dies at start-up
             if not self.stopping:
