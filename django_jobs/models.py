@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,11 @@ class JobStatus(models.TextChoices):
     IN_PROGRESS = "in_progress", "In progress"
     COMPLETED = "completed", "Completed"
     FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+# Statuses a job never leaves by itself: it ran (completed, failed) or was stopped (cancelled).
+FINISHED_STATUSES = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
 
 
 # The columns that hold a job's own message fields; the others are its state in the table.
@@ -101,6 +107,7 @@ class AttemptOutcome(StrEnum):
     RETRYING = "retrying"
     FAILED = "failed"
     LOST = "lost"
+    CANCELLED = "cancelled"
 
 
 ATTEMPT_OUTCOME_CHOICES = [
@@ -108,6 +115,7 @@ ATTEMPT_OUTCOME_CHOICES = [
     (AttemptOutcome.RETRYING.value, "Failed, retrying"),
     (AttemptOutcome.FAILED.value, "Failed"),
     (AttemptOutcome.LOST.value, "Lost (worker crashed or stalled)"),
+    (AttemptOutcome.CANCELLED.value, "Cancelled"),
 ]
 
 
@@ -140,3 +148,58 @@ class JobAttempt(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job_id} attempt {self.attempt}: {self.outcome}"
+
+
+class WorkerQuerySet(models.QuerySet["Worker"]):
+    def alive(self, now: datetime | None = None) -> WorkerQuerySet:
+        """Workers that have not stopped and were seen within ``Worker.DEAD_AFTER``."""
+        now = now or timezone.now()
+        alive: WorkerQuerySet = self.filter(stopped_at__isnull=True, last_seen__gte=now - Worker.DEAD_AFTER)
+        return alive
+
+
+class Worker(models.Model):
+    """One worker process, as it last reported itself (the admin's workers panel, ``jobs_health``).
+
+    Each worker process writes its row when it starts, every ``Worker.BEAT`` while it runs (from
+    its heartbeat thread: no statement per job), and when it stops. A row not written for
+    ``Worker.DEAD_AFTER`` belongs to a process that died without a word (SIGKILL, a lost host).
+    """
+
+    BEAT = timedelta(seconds=5)
+    DEAD_AFTER = timedelta(seconds=30)
+
+    id = models.CharField(primary_key=True, max_length=100, help_text="host:pid:random, unique per process.")
+    hostname = models.CharField(max_length=255)
+    pid = models.PositiveIntegerField()
+    backend = models.CharField(max_length=100)
+    queues = models.JSONField(default=list)
+    started_at = models.DateTimeField(default=timezone.now)
+    last_seen = models.DateTimeField(default=timezone.now, db_index=True)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+    current_job = models.CharField(max_length=64, blank=True, help_text="Id of the job running now.")
+    current_job_started = models.DateTimeField(null=True, blank=True)
+    processed = models.PositiveBigIntegerField(default=0, help_text="Deliveries since the process started.")
+
+    objects = WorkerQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-last_seen"]
+
+    def __str__(self) -> str:
+        return f"{self.hostname}:{self.pid}"
+
+    def state(self, now: datetime | None = None) -> str:
+        """``running``, ``stopped`` or ``dead`` (not seen for ``DEAD_AFTER``)."""
+        if self.stopped_at is not None:
+            return "stopped"
+        return "running" if self.last_seen >= (now or timezone.now()) - self.DEAD_AFTER else "dead"
+
+
+class JobDashboard(Job):
+    """No table of its own: puts the jobs dashboard on the admin index, beside Jobs and Workers."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "dashboard"
+        verbose_name_plural = "dashboard"

@@ -16,7 +16,7 @@ def test_dashboard_counts_rows_per_queue_and_status(admin_client):
     worker = QueueWorker("default")
     assert [worker.process_once().status for _ in range(2)] == ["acked", "dead-lettered"]
 
-    response = admin_client.get(reverse("admin:django_jobs_job_dashboard"))
+    response = admin_client.get(reverse("admin:django_jobs_jobdashboard_changelist"))
 
     assert response.status_code == 200
     rows = {row["queue"]: row for row in response.context["queues"]}
@@ -29,7 +29,7 @@ def test_dashboard_counts_rows_per_queue_and_status(admin_client):
 
 @pytest.mark.django_db
 def test_changelist_links_to_dashboard_and_anonymous_users_are_refused(admin_client, client):
-    url = reverse("admin:django_jobs_job_dashboard")
+    url = reverse("admin:django_jobs_jobdashboard_changelist")
     assert url.encode() in admin_client.get(reverse("admin:django_jobs_job_changelist")).content
     assert client.get(url).status_code == 302  # to the login page
     assert Job.objects.count() == 0

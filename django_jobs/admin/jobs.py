@@ -9,13 +9,12 @@ from typing import Any
 from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
-from django.template.response import TemplateResponse
-from django.urls import URLPattern, path, reverse
+from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from . import dashboard, operations
-from .models import Job, JobAttempt
+from .. import operations
+from ..models import Job, JobAttempt
 
 # How much of an error's first line the attempt history and a retry's log message show.
 SUMMARY_CHARS = 200
@@ -151,23 +150,8 @@ class JobAdmin(admin.ModelAdmin):
                 request, f"{skipped} selected job(s) were not failed and were left alone.", messages.WARNING
             )
 
-    def get_urls(self) -> list[URLPattern]:
-        view = self.admin_site.admin_view(self.dashboard_view)
-        return [path("dashboard/", view, name="django_jobs_job_dashboard"), *super().get_urls()]
-
-    def dashboard_view(self, request: HttpRequest) -> HttpResponse:
-        """Counts per queue and status, and completed/failed jobs per hour."""
-        context = {
-            **self.admin_site.each_context(request),
-            "title": "Jobs dashboard",
-            "queues": dashboard.queue_counts(),
-            "hours": dashboard.hourly_throughput(),
-            "changelist": reverse("admin:django_jobs_job_changelist"),
-        }
-        return TemplateResponse(request, "admin/django_jobs/job/dashboard.html", context)
-
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
-        extra = {"dashboard_url": reverse("admin:django_jobs_job_dashboard"), **(extra_context or {})}
+        extra = {"dashboard_url": reverse("admin:django_jobs_jobdashboard_changelist"), **(extra_context or {})}
         return super().changelist_view(request, extra)
 
     def has_retry_permission(self, request: HttpRequest) -> bool:
