@@ -112,7 +112,7 @@ class AttemptOutcome(StrEnum):
 
 ATTEMPT_OUTCOME_CHOICES = [
     (AttemptOutcome.COMPLETED.value, "Completed"),
-    (AttemptOutcome.RETRYING.value, "Failed, retrying"),
+    (AttemptOutcome.RETRYING.value, "Retrying"),
     (AttemptOutcome.FAILED.value, "Failed"),
     (AttemptOutcome.LOST.value, "Lost (worker crashed or stalled)"),
     (AttemptOutcome.CANCELLED.value, "Cancelled"),
@@ -194,6 +194,33 @@ class Worker(models.Model):
         if self.stopped_at is not None:
             return "stopped"
         return "running" if self.last_seen >= (now or timezone.now()) - self.DEAD_AFTER else "dead"
+
+
+class Throughput(models.Model):
+    """Deliveries per minute of one worker process on one backend and queue, by how they ended.
+
+    Each worker adds its counts every ``Worker.BEAT`` (no statement per job) to its own row of
+    the minute, so no two writers share a row. The dashboard sums them: throughput and failure
+    rates for every backend, brokers included, whose finished jobs leave no row of their own.
+    """
+
+    minute = models.DateTimeField()
+    worker = models.CharField(max_length=100, help_text="Worker.id of the process that counted.")
+    backend = models.CharField(max_length=100)
+    queue = models.CharField(max_length=100)
+    completed = models.PositiveIntegerField(default=0)
+    retried = models.PositiveIntegerField(default=0)
+    failed = models.PositiveIntegerField(default=0, help_text="Failed for good (no retry left).")
+    rejected = models.PositiveIntegerField(default=0, help_text="Never run: tampered, undecodable or unknown handler.")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["minute", "worker", "backend", "queue"], name="django_jobs_throughput_uniq")
+        ]
+        indexes = [models.Index(fields=["minute"], name="django_jobs_throughput_min_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.minute:%Y-%m-%d %H:%M} {self.backend}/{self.queue} ({self.worker})"
 
 
 class JobDashboard(Job):

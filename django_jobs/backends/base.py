@@ -161,6 +161,16 @@ class QueueBackend(ABC):
         """Counts for ``jobs_stats``: pending, delayed, in_progress, failed."""
         return {"pending": self.size(queue), "delayed": 0, "in_progress": 0, "failed": 0}
 
+    def oldest_ready_age(self, queue: str) -> float | None:
+        """Seconds the oldest job of ``queue`` that is ready to run has waited since it became
+        ready; ``None`` when none is ready or the backend cannot tell."""
+        return None
+
+    def persistence_warning(self) -> str | None:
+        """Why a restart of the server would lose the queued jobs, in one sentence; ``None``
+        when it keeps them (or the backend cannot tell)."""
+        return None
+
     def ack_and_fetch(self, lease: Lease, queue: str) -> Lease | None:
         """``ack(lease)``, then lease the next message of ``queue``. A ``LeaseLost`` from the ack
         leases nothing. Backends with ``pipelines_ack_fetch`` do both in one round trip."""

@@ -117,7 +117,7 @@ def test_attempt_history_and_retry_in_the_browser(live_server, browser, django_u
     browser.find_element(By.LINK_TEXT, job_id).click()
     rows = browser.find_elements(By.CSS_SELECTOR, "#attempt-history tbody.attempt")
     outcomes = [row.find_element(By.CSS_SELECTOR, ".outcome").text for row in rows]
-    assert outcomes == ["Failed, retrying", "Failed, retrying", "Failed"]
+    assert outcomes == ["Retrying", "Retrying", "Failed"]
     assert [row.find_element(By.CSS_SELECTOR, "td").text for row in rows] == ["1", "2", "3"]
     kept = JobAttempt.objects.filter(job_id=job_id).order_by("attempt")
     assert all(attempt.worker_id in row.text for row, attempt in zip(rows, kept, strict=True))

@@ -208,7 +208,7 @@ def test_job_page_lists_the_attempt_history_oldest_first(superuser_client, faile
     kept = JobAttempt.objects.filter(job_id=job_id).order_by("attempt")
     assert [row["attempt"] for row in rows] == ["1", "2", "3"]
     assert [row["css"] for row in rows] == ["retrying", "retrying", "failed"]
-    assert [row["outcome"] for row in rows] == ["Failed, retrying", "Failed, retrying", "Failed"]
+    assert [row["outcome"] for row in rows] == ["Retrying", "Retrying", "Failed"]
     for row, attempt in zip(rows, kept, strict=True):
         assert row["worker"] == attempt.worker_id and ":" in row["worker"]  # host:pid
         assert SECONDS.match(row["started"]) and SECONDS.match(row["finished"])
