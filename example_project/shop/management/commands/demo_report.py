@@ -1,6 +1,8 @@
 from django.core.management.base import BaseCommand, CommandError
 
-from django_jobs.models import Job
+from django.urls import reverse
+
+from django_jobs.models import Job, JobAttempt
 from shop.models import Order
 
 # job -> (final status, attempts) that the demo is built to produce
@@ -45,6 +47,14 @@ class Command(BaseCommand):
             self.stdout.write(style(f"{line}  [{expect}]"))
             if job.status == "failed" and job.last_error:
                 self.stdout.write(f"  {'':<15} last error: {job.last_error.splitlines()[0]}")
+                # The attempt history the admin shows on the job's page: one record per run.
+                outcomes = list(
+                    JobAttempt.objects.filter(job_id=job.pk).order_by("id").values_list("outcome", flat=True)
+                )
+                ok = ok and len(outcomes) == job.attempts
+                self.stdout.write(f"  {'':<15} attempt history: {', '.join(outcomes) or 'none'}")
+                url = reverse("admin:django_jobs_job_change", args=[job.pk])
+                self.stdout.write(f"  {'':<15} in the admin: http://127.0.0.1:8000{url}")
 
         if options["check"] and not ok:
             raise CommandError("Some demo jobs did not end as expected.", returncode=1)
