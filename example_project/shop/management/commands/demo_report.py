@@ -1,5 +1,4 @@
 from django.core.management.base import BaseCommand, CommandError
-
 from django.urls import reverse
 
 from django_jobs.models import Job, JobAttempt
