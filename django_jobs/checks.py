@@ -346,3 +346,34 @@ def check_servicebus_delivery_count(app_configs: Any = None, **kwargs: Any) -> l
             )
         )
     return warnings
+
+
+@checks.register(checks.Tags.compatibility, deploy=True)
+def check_backend_persistence(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """A backend whose server keeps nothing on disk loses every queued job when it restarts
+    (Redis without AOF or RDB save points). This asks the servers, so it runs only under
+    ``manage.py check --deploy``: a plain ``check`` (and every command's start-up) never
+    connects. A server that cannot be reached is not reported here (``jobs_health`` says so)."""
+    from .backends import get_backend
+    from .health import persistence_warning
+
+    if not isinstance(getattr(settings, "JOBS", None) or {}, dict) or RULES["BACKENDS"][1](conf.get("BACKENDS")):
+        return []  # reported by check_settings (E008, E010)
+    warnings: list[checks.CheckMessage] = []
+    for name in conf.get("BACKENDS"):
+        try:
+            backend = get_backend(name)
+        except (ImproperlyConfigured, ImportError):  # an engine that cannot be built: E002 says why
+            continue
+        text = persistence_warning(backend)
+        if text is not None:
+            warnings.append(
+                checks.Warning(
+                    f"backend {name!r}: {text}",
+                    hint="turn on AOF (appendonly yes) or RDB save points on the server, or accept losing "
+                    "queued jobs on a restart",
+                    obj="settings.JOBS",
+                    id="django_jobs.W003",
+                )
+            )
+    return warnings

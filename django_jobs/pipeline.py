@@ -68,6 +68,47 @@ class Outcome(StrEnum):
     SKIPPED_IDEMPOTENT = "skipped-idempotent"  # its idempotency key already succeeded
     LEASE_LOST = "lease-lost"  # the lease was reaped meanwhile: another delivery owns the job
 
+    @property
+    def label(self) -> str:
+        """The word people read for this outcome in worker lines and logs (the value stays the
+        API's): completed, retrying, failed, rejected, skipped, lost."""
+        return _LABELS[self]
+
+
+_LABELS = {
+    Outcome.EMPTY: "empty",
+    Outcome.ACKED: "completed",
+    Outcome.REQUEUED: "retrying",
+    Outcome.DEAD_LETTERED: "failed",
+    Outcome.REJECTED: "rejected",
+    Outcome.SKIPPED_IDEMPOTENT: "skipped",
+    Outcome.LEASE_LOST: "lost",
+}
+# The label of a requeue that did not count a run: the job did not run, because its
+# idempotency key or single-instance lock was held by another delivery.
+DEFERRED = "deferred"
+# The attributes every log record about a job carries (``extra``), for JSON log formatters.
+LOG_FIELDS = ("job_id", "queue", "handler", "attempt", "outcome")
+
+
+def log_fields(
+    job_id: str | None,
+    queue: str | None,
+    handler: str | None = None,
+    attempt: int | None = None,
+    outcome: str | None = None,
+) -> dict[str, Any]:
+    """The ``extra`` of a log record about a job: every key of :data:`LOG_FIELDS`, ``None``
+    where unknown, so a formatter finds the same attributes on every such record."""
+    return {"job_id": job_id, "queue": queue, "handler": handler, "attempt": attempt, "outcome": outcome}
+
+
+def lease_fields(lease: Lease, attempt: int | None = None, outcome: str | None = None) -> dict[str, Any]:
+    """:func:`log_fields` of a fetched lease (its envelope's id and handler once decoded)."""
+    env = lease.envelope
+    job_id, handler = (lease.token, None) if env is None else (env.id, env.handler)
+    return log_fields(job_id, lease.queue, handler, attempt, outcome)
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerResult:
@@ -85,6 +126,14 @@ class WorkerResult:
     # A failed run requeued for another: seconds until it is due, and the most runs it may have.
     retry_in: float | None = None
     max_runs: int | None = None
+
+    @property
+    def label(self) -> str:
+        """What people read (:attr:`Outcome.label`); a requeue that counted no run (``retry_in``
+        is set only for a counted one) is ``deferred``."""
+        if self.status is Outcome.REQUEUED and self.retry_in is None:
+            return DEFERRED
+        return Outcome(self.status).label
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +268,11 @@ class DeliveryPipeline:
             try:
                 verdict = self._guarded_run(delivery)
             except Exception as exc:  # the worker's own code or a guard's cache failed: a failed run
-                logger.exception("job %s: error in the worker around the job; settling it as a failed run", lease.token)
+                logger.exception(
+                    "job %s: error in the worker around the job; settling it as a failed run",
+                    delivery.env.id,
+                    extra=lease_fields(lease, delivery.attempt),
+                )
                 verdict = self._failed(delivery, exc, seconds=0.0)
             return self.settle(lease, verdict, on_success=delivery.on_success)
         finally:
@@ -254,7 +307,11 @@ class DeliveryPipeline:
         if held is not None:
             return held
         if not self._still_held(d.lease):
-            logger.warning("job %s: its lease was lost before it could start; not running it", d.env.id)
+            logger.warning(
+                "job %s lost: its lease was lost before it could start; not running it",
+                d.env.id,
+                extra=lease_fields(d.lease, d.attempt, Outcome.LEASE_LOST.label),
+            )
             return Verdict(Outcome.LEASE_LOST, count_run=False)
         return self._run(d)
 
@@ -364,14 +421,18 @@ class DeliveryPipeline:
             try:
                 return bool(can_retry(d.attempt, exc))
             except Exception:
-                logger.exception("job %s: can_retry() raised; not retrying", d.env.id)
+                logger.exception(
+                    "job %s: can_retry() raised; not retrying", d.env.id, extra=lease_fields(d.lease, d.attempt)
+                )
                 return False
         return True
 
     def settle_timed_out(self, d: Delivery) -> None:
         """Heartbeat thread: the attempt ignored its soft timeout; settle it as a failed run."""
         exc = JobTimeout(f"attempt exceeded its timeout by {HARD_TIMEOUT_GRACE:g}s and was killed")
-        logger.critical("job %s is stuck past its timeout; settling it as failed", d.env.id)
+        logger.critical(
+            "job %s is stuck past its timeout; settling it as failed", d.env.id, extra=lease_fields(d.lease, d.attempt)
+        )
         self.settle(d.lease, self._failed(d, exc, seconds=0.0), retries=())
 
     # -- settling --
@@ -397,13 +458,18 @@ class DeliveryPipeline:
                 self._tell_backend(lease, verdict, on_success or (), retries)
             except LeaseLost:
                 self.metrics.increment("jobs_lease_lost", queue=queue)
-                logger.warning("job %s: lease lost before it could be settled as %s", job_id, outcome)
+                logger.warning(
+                    "job %s lost: its lease was lost before it could be settled as %s",
+                    job_id,
+                    _verdict_label(verdict),
+                    extra=lease_fields(lease, attempt, Outcome.LEASE_LOST.label),
+                )
                 outcome = Outcome.LEASE_LOST
             else:
                 self._count(lease, verdict)
                 self._recorded(lease, verdict)
         retried = outcome is Outcome.REQUEUED and verdict.count_run
-        return WorkerResult(
+        result = WorkerResult(
             outcome,
             job_id=job_id,
             attempt=attempt,
@@ -415,6 +481,9 @@ class DeliveryPipeline:
             retry_in=verdict.delay if retried else None,
             max_runs=env.max_retries + 1 if retried and env is not None else None,
         )
+        if outcome is not Outcome.LEASE_LOST:  # a lost lease is logged where it was found
+            _log_result(lease, result)
+        return result
 
     def _tell_backend(
         self, lease: Lease, verdict: Verdict, on_success: Iterable[Callable[[], None]], retries: tuple[float, ...]
@@ -443,7 +512,9 @@ class DeliveryPipeline:
             except LeaseLost:
                 raise
             except Exception:
-                logger.warning("settle failed; retrying in %gs", pause, exc_info=True)
+                lease = next((a for a in args if isinstance(a, Lease)), None)
+                extra = lease_fields(lease) if lease is not None else log_fields(None, None)
+                logger.warning("settle failed; retrying in %gs", pause, exc_info=True, extra=extra)
                 self.backend.reset_connection()
                 if self.on_backend_error is not None:
                     self.on_backend_error()
@@ -494,21 +565,9 @@ class DeliveryPipeline:
             self.metrics.increment("jobs_requeued", queue=queue)
             self.metrics.observe("jobs_retry_delay_seconds", verdict.delay, queue=queue)
         elif outcome is Outcome.REJECTED:
-            logger.error("message %s on queue %s %s", lease.token, queue, verdict.error)
             self.metrics.increment(verdict.counter or "jobs_rejected_payload", queue=queue)
         elif outcome is Outcome.DEAD_LETTERED and env is not None:
             self.metrics.increment("jobs_failed_permanently", queue=queue)
-            text = verdict.error or ""
-            # An expected end of a job (its retries spent, or an error no retry can fix): ERROR.
-            # CRITICAL is kept for the worker's own emergencies (a job stuck past its timeout).
-            logger.error(
-                "job %s (%s) failed permanently after %d run(s): %s",
-                env.id,
-                env.name or env.handler,
-                env.attempts + int(verdict.count_run),
-                text.partition("\n")[0],
-                extra={"job_id": env.id, "last_error": text},
-            )
 
 
 class _KeyHold:
@@ -561,6 +620,58 @@ def _exit_if_forked(d: Delivery, exc: BaseException | None) -> None:
     for stream in (sys.stdout, sys.stderr):
         _quietly(stream.flush, "flush")
     os._exit(code)
+
+
+# How loud each ending is logged. A failure or a rejection is an expected end of a job (its
+# retries spent, an error no retry can fix, a message that must not run): ERROR. CRITICAL is
+# kept for the worker's own emergencies (a job stuck past its timeout).
+_LEVELS = {
+    Outcome.ACKED: logging.INFO,
+    Outcome.REQUEUED: logging.INFO,
+    Outcome.SKIPPED_IDEMPOTENT: logging.INFO,
+    Outcome.DEAD_LETTERED: logging.ERROR,
+    Outcome.REJECTED: logging.ERROR,
+}
+
+
+def _log_result(lease: Lease, result: WorkerResult) -> None:
+    """One record per settled delivery, in the words of :attr:`WorkerResult.label`, with the
+    :data:`LOG_FIELDS` as attributes (a failure also carries ``last_error``, the whole error)."""
+    level = _LEVELS.get(result.status)
+    if level is None or not logger.isEnabledFor(level):
+        return
+    env, label = lease.envelope, result.label
+    extra = log_fields(result.job_id, result.queue, result.handler, result.attempt, label)
+    first_line = (result.error or "").partition("\n")[0]
+    if result.status is Outcome.REJECTED or env is None:
+        logger.log(level, "message %s on queue %s %s", lease.token, lease.queue, result.error, extra=extra)
+        return
+    name = env.name or env.handler
+    if result.status is Outcome.DEAD_LETTERED:
+        runs = result.attempt if result.attempt is not None else env.attempts
+        extra["last_error"] = result.error or ""
+        logger.log(
+            level, "job %s (%s) failed permanently after %d run(s): %s", env.id, name, runs, first_line, extra=extra
+        )
+    elif label == DEFERRED:
+        why = "its idempotency key or single-instance lock is held by another delivery"
+        logger.log(level, "job %s (%s) deferred: %s", env.id, name, why, extra=extra)
+    elif result.status is Outcome.REQUEUED:
+        logger.log(
+            level, "job %s (%s) retrying in %gs after run %s: %s",
+            env.id, name, result.retry_in, result.attempt, first_line, extra=extra,
+        )  # fmt: skip
+    elif result.status is Outcome.SKIPPED_IDEMPOTENT:
+        logger.log(level, "job %s (%s) skipped: its idempotency key already completed", env.id, name, extra=extra)
+    else:
+        logger.log(level, "job %s (%s) completed in %.3fs", env.id, name, result.seconds, extra=extra)
+
+
+def _verdict_label(verdict: Verdict) -> str:
+    """The label of the ending a verdict asked for (a requeue without a run: ``deferred``)."""
+    if verdict.outcome is Outcome.REQUEUED and not verdict.count_run:
+        return DEFERRED
+    return verdict.outcome.label
 
 
 def _rejection(exc: JobsError, counter: str) -> Verdict:

@@ -211,6 +211,16 @@ class BeanstalkBackend(RequeueByCopy):
             "failed": raw.get("current-jobs-buried", 0),
         }
 
+    def oldest_ready_age(self, queue: str) -> float | None:
+        """The job ``peek-ready`` shows (the next to be reserved): its ``age`` since it was put,
+        less the ``delay`` it waited for, from ``stats-job``. Whole seconds (beanstalkd's)."""
+        try:
+            with self._using(queue) as tube:
+                stats = tube.client.stats_job(tube.client.peek_ready())
+        except greenstalk.NotFoundError:  # none ready (or it was reserved in between)
+            return None
+        return float(max(stats["age"] - stats["delay"], 0))
+
     def purge_failed(self, queue: str, older_than: timedelta | None = None) -> int:
         """Delete buried jobs, oldest first. beanstalkd keeps no bury time: ``older_than`` is
         compared with the job's age since it was put, and the purge stops at the first younger one."""

@@ -18,7 +18,7 @@ from typing import Any, cast
 from weakref import WeakKeyDictionary
 
 from django.db import DEFAULT_DB_ALIAS, ProgrammingError, connections, transaction
-from django.db.models import Count, Q
+from django.db.models import Count, Min, Q
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
@@ -616,6 +616,17 @@ class DatabaseBackend(QueueBackend):
             .count()
         )
         return count
+
+    def oldest_ready_age(self, queue: str) -> float | None:
+        """The oldest ``available_at`` of the queue's ready rows, as a claim sees them: one
+        query on the claim's partial index (pending rows by queue)."""
+        now = timezone.now()
+        oldest = (
+            Job.objects.using(self.alias)
+            .filter(status=JobStatus.PENDING, queue=queue, available_at__lte=now)
+            .aggregate(oldest=Min("available_at"))["oldest"]
+        )
+        return None if oldest is None else max((now - oldest).total_seconds(), 0.0)
 
     def stats(self, queue: str) -> dict[str, int]:
         now = timezone.now()

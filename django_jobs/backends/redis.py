@@ -45,6 +45,8 @@ SCRIPTS = (
 # Priorities share a float64 score with a 40-bit sequence number: keep them exact.
 PRIORITY_LIMIT = 8000
 REAP_BATCH = 500
+# Seconds the persistence probe waits for the server (it runs at start-up and in health checks).
+PROBE_TIMEOUT = 5.0
 
 
 class QueueKeys(NamedTuple):
@@ -352,6 +354,64 @@ class RedisBackend(QueueBackend):
         waiting, delayed, processing, failed = pipe.execute()
         return {"pending": waiting, "delayed": delayed, "in_progress": processing, "failed": failed}
 
+    def oldest_ready_age(self, queue: str) -> float | None:
+        """Redis keeps no enqueue time of its own: a message's readiness is known from its due
+        time while it sits in the delayed set past due (no worker has moved it yet), and from
+        its envelope's ``available_at`` (set when it was dispatched with a delay or a schedule,
+        or requeued for a retry). The age is the older of the first due delayed message and the
+        next waiting message, where known; ``None`` when neither tells (a job dispatched to run
+        at once carries no time)."""
+        keys, now = self.keys(queue), time.time()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrange(keys.waiting, 0, 0)
+        pipe.zrangebyscore(keys.delayed, "-inf", _ms(now), start=0, num=1, withscores=True)
+        head, due = pipe.execute()
+        since = [score / 1000 for _, score in due]
+        body = self.client.hget(keys.bodies, head[0]) if head else None
+        envelope = decode_lease_body(body)[0] if body is not None else None
+        if envelope is not None and envelope.available_at is not None:
+            since.append(envelope.available_at.timestamp())
+        return max(now - min(since), 0.0) if since else None
+
+    def persistence_warning(self) -> str | None:
+        """``CONFIG GET appendonly`` and ``save``: neither AOF nor an RDB save point means a
+        restart loses everything. Where CONFIG is disabled (managed Redis), ``INFO persistence``
+        tells AOF and whether an RDB snapshot was ever written since the server started."""
+        client, throwaway = self._probe_client()
+        try:
+            where = _address(client)
+            try:
+                aof = _text(client.config_get("appendonly").get("appendonly"))
+                save = _text(client.config_get("save").get("save"))
+            except redis.ResponseError:  # CONFIG is disabled or not allowed
+                info = client.info("persistence")
+                if (
+                    info.get("aof_enabled")
+                    or info.get("rdb_saves", 0)
+                    or info.get("rdb_last_bgsave_time_sec", -1) != -1
+                ):
+                    return None
+                return (
+                    f"Redis at {where} has AOF off and has written no RDB snapshot since it started (its save points "
+                    "are unknown: CONFIG is disabled): a restart may lose every queued job"
+                )
+            if aof == "yes" or save.strip():
+                return None
+            return (
+                f"Redis at {where} keeps nothing on disk (no AOF, no RDB save points): a restart loses every queued job"
+            )
+        finally:
+            if throwaway:
+                client.close()
+
+    def _probe_client(self) -> tuple[Any, bool]:
+        """A client that gives up after ``PROBE_TIMEOUT`` (from ``URL``: its own, to close), or
+        the cache's (``CACHE``: its own timeouts apply)."""
+        if self.options.get("CACHE") or not self.options.get("URL"):
+            return self.client, False
+        url = self.options["URL"]
+        return redis.Redis.from_url(url, socket_connect_timeout=PROBE_TIMEOUT, socket_timeout=PROBE_TIMEOUT), True
+
     def purge_failed(self, queue: str, older_than: timedelta | None = None) -> int:
         keys = self.keys(queue)
         limit = _ms(time.time() - older_than.total_seconds()) if older_than else "+inf"
@@ -364,6 +424,16 @@ class RedisBackend(QueueBackend):
             pipe.hdel(keys.priorities, *ids)
             pipe.execute()
         return len(ids)
+
+
+def _address(client: Any) -> str:
+    """``host:port`` (or the socket path) a client talks to, for messages."""
+    kwargs = client.connection_pool.connection_kwargs
+    return str(kwargs["path"]) if kwargs.get("path") else f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value or "")
 
 
 def _acks(leases: list[Lease]) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from io import StringIO
+from unittest import mock
+
 import pytest
 from django.core import checks
 from django.core.management import call_command
@@ -374,3 +377,51 @@ def test_a_schedule_is_reported_as_not_used_yet():
         assert [m.id for m in check_settings()] == ["django_jobs.W002"]
     with override_settings(JOBS={**settings.JOBS, "SCHEDULE": {}}):
         assert check_settings() == []
+
+
+# -- a backend that keeps nothing on disk (only under check --deploy) ----------------------------------
+
+
+def persistence_warnings() -> list[checks.CheckMessage]:
+    return [m for m in checks.run_checks(include_deployment_checks=True) if m.id == "django_jobs.W003"]
+
+
+def test_deploy_check_warns_of_a_redis_that_keeps_nothing_on_disk(redis_up):
+    # The test Redis has neither AOF nor RDB save points: the warning is real.
+    [warning] = persistence_warnings()
+    assert warning.level == checks.WARNING and warning.obj == "settings.JOBS"
+    assert warning.msg.startswith("backend 'redis': Redis at ") and "keeps nothing on disk" in warning.msg
+    assert "appendonly yes" in warning.hint
+
+
+def test_manage_py_check_deploy_shows_the_warning_and_passes(redis_up):
+    out = StringIO()
+    call_command("check", "--deploy", stdout=out, stderr=out)
+    assert "django_jobs.W003" in out.getvalue()
+
+
+def test_a_plain_check_never_asks_the_servers():
+    from django_jobs.backends.redis import RedisBackend
+
+    asked = AssertionError("a plain check connected to Redis")
+    with mock.patch.object(RedisBackend, "persistence_warning", side_effect=asked):
+        assert [m.id for m in checks.run_checks() if m.id == "django_jobs.W003"] == []
+
+
+def test_a_redis_with_an_aof_is_not_warned_about(private_redis):
+    with jobs_settings(
+        BACKENDS={
+            "default": {"ENGINE": "database"},
+            "redis": {"ENGINE": "redis", "OPTIONS": {"URL": private_redis.url}},
+        }
+    ):
+        assert persistence_warnings() == []
+
+
+def test_an_unreachable_redis_never_fails_the_check():
+    from tests.servers import free_port
+
+    closed = {"ENGINE": "redis", "OPTIONS": {"URL": f"redis://127.0.0.1:{free_port()}/0"}}
+    with jobs_settings(BACKENDS={"default": {"ENGINE": "database"}, "redis": closed}):
+        assert persistence_warnings() == []
+        call_command("check", "--deploy", stdout=StringIO(), stderr=StringIO())

@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from django_jobs import Jobs, operations
 from django_jobs.history import attempts_of
+from django_jobs.locks import CacheLock
 from django_jobs.models import Job
 from django_jobs.pool import WorkerPool
 from django_jobs.reaper import Reaper
@@ -246,7 +247,7 @@ def test_jobs_work_says_when_a_failed_run_will_be_retried():
 
     [line] = [line for line in run("jobs_work", "--once").splitlines() if job_id in line]
 
-    assert line.split()[0] == "requeued" and "attempt=1" in line
+    assert line.split()[0] == "retrying" and "attempt=1" in line
     assert "retry 2/4 in 4.0s" in line and "RuntimeError: scripted failure" in line
 
 
@@ -258,15 +259,47 @@ def test_jobs_work_ends_with_a_summary_and_lists_the_jobs_at_verbosity_2():
 
     assert lines[0].startswith("django-jobs worker started: backend=default queues=default")
     assert lines[1].startswith("registered jobs (") and "tests.testapp.jobs.scripted" in lines[1]
-    assert [line.split()[0] for line in lines[2:4]] == ["acked", "dead-lettered"]
+    assert [line.split()[0] for line in lines[2:4]] == ["completed", "failed"]
     assert lines[-1].startswith(f"django-jobs worker stopped: process {os.getpid()}, 2 deliveries in ")
-    assert lines[-1].endswith(": 1 acked, 1 dead-lettered")
+    assert lines[-1].endswith(": 1 completed, 1 failed")
 
 
 def test_jobs_work_at_verbosity_0_prints_only_its_start_line():
     scripted.dispatch(action="ok")
     lines = run("jobs_work", "--once", verbosity=0).splitlines()
     assert len(lines) == 1 and lines[0].startswith("django-jobs worker started")
+
+
+def test_jobs_work_colours_its_words_only_on_a_terminal_or_when_forced():
+    green_completed = "\x1b[32;1mcompleted\x1b[0m"
+    for _ in range(3):
+        scripted.dispatch(action="ok")
+    forced = run("jobs_work", "--once", force_color=True).splitlines()[1]
+    assert forced.startswith(green_completed)
+    plain = run("jobs_work", "--once").splitlines()[1]  # not a terminal: no colour
+    assert plain.startswith("completed ") and "\x1b" not in plain
+    assert "\x1b" not in run("jobs_work", "--once", no_color=True)
+
+
+def test_jobs_work_says_deferred_for_a_job_that_waits_for_its_lock():
+    assert CacheLock("django_jobs:single:tests.testapp.jobs.scripted", "another-delivery", 60).acquire()
+    job_id = scripted.using(single_instance=True).dispatch(action="ok")
+
+    [line] = [line for line in run("jobs_work", "--once").splitlines() if job_id in line]
+
+    assert line.split()[0] == "deferred" and "retry" not in line
+
+
+def test_jobs_work_warns_under_its_start_line_when_its_redis_keeps_nothing_on_disk(redis_up):
+    out, err = StringIO(), StringIO()
+    call_command("jobs_work", "--backend", "redis", "--once", stdout=out, stderr=err)
+    assert out.getvalue().startswith("django-jobs worker started: backend=redis")
+    [warning] = err.getvalue().splitlines()
+    assert warning.startswith("WARNING: Redis at ") and warning.endswith("a restart loses every queued job")
+
+    err = StringIO()
+    call_command("jobs_work", "--once", stdout=StringIO(), stderr=err)
+    assert err.getvalue() == ""  # the database keeps its jobs
 
 
 # -- jobs_list ----------------------------------------------------------------------------------------

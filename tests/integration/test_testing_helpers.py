@@ -271,7 +271,7 @@ def test_jobs_work_once_runs_in_the_tests_process_and_transaction(engine, send):
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     lines = work("--backend", engine.backend, "--once")
     assert lines[0].startswith(f"django-jobs worker started: backend={engine.backend} queues=default")
-    assert [line.split()[:2] for line in lines[1:-1]] == [["acked", job_id]]
+    assert [line.split()[:2] for line in lines[1:-1]] == [["completed", job_id]]
     assert lines[-1].startswith(f"django-jobs worker stopped: process {os.getpid()}, 1 deliveries")
     assert ran(engine, "once") == [os.getpid()]
     # The test's connection is still open, in its transaction, and the handlers are back.
@@ -282,7 +282,7 @@ def test_jobs_work_once_runs_in_the_tests_process_and_transaction(engine, send):
 def test_jobs_work_max_runs_n_jobs_here():
     ids = [scripted.using(priority=3 - i).dispatch(action="ok", key=f"max{i}") for i in range(3)]
     lines = work("--max", "2")
-    assert [line.split()[:2] for line in lines[1:-1]] == [["acked", i] for i in ids[:2]]
+    assert [line.split()[:2] for line in lines[1:-1]] == [["completed", i] for i in ids[:2]]
     assert [Job.objects.get(pk=i).status for i in ids] == ["completed", "completed", "pending"]
 
 
@@ -307,7 +307,7 @@ def test_a_stop_signal_ends_an_in_process_run_after_the_job_in_hand():
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert received == []  # the worker's handler had the signal while it ran
-    assert [line.split()[:2] for line in lines[1:-1]] == [["acked", stopper]]
+    assert [line.split()[:2] for line in lines[1:-1]] == [["completed", stopper]]
     assert [Job.objects.get(pk=i).status for i in later] == ["pending", "pending"]
 
 

@@ -183,7 +183,7 @@ def test_sigkilled_worker_job_returns_to_the_tube_and_a_fresh_worker_completes_i
 
         second = run_once(procs, env)
         # attempt=2: the lost run counted.
-        [line] = second.job_lines("acked")
+        [line] = second.job_lines("completed")
         assert job_id in line and "attempt=2" in line, second.output()
 
     runs = effects(key)
@@ -728,7 +728,7 @@ def test_a_job_reserved_while_the_worker_stops_is_not_counted_as_a_run(raw):
 
         second = run_once(procs, worker_env())
         [line] = second.job_lines()
-        assert line.startswith("acked") and job_id in line and "attempt=1" in line, second.output()
+        assert line.startswith("completed") and job_id in line and "attempt=1" in line, second.output()
     assert len(effects(key)) == 1
 
 

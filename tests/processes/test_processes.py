@@ -96,13 +96,13 @@ def test_three_worker_processes_run_3000_jobs_exactly_once():
     assert runs.count() == total, "some job ran more than once or not at all"
     assert runs.values("key").distinct().count() == total
     # Every run was reported exactly once across the three processes' outputs.
-    acked = [line.split()[1] for worker in workers for line in worker.job_lines("acked")]
+    acked = [line.split()[1] for worker in workers for line in worker.job_lines("completed")]
     assert sorted(acked) == sorted(ids)
     # The work was really shared: runs came from more than one process, and every supervisor
     # reported some of them (each forks one worker process).
     pids = set(runs.values_list("pid", flat=True))
     assert len(pids) > 1, f"every job ran in one process: {pids}"
-    assert all(worker.job_lines("acked") for worker in workers), [len(w.job_lines("acked")) for w in workers]
+    assert all(worker.job_lines("completed") for worker in workers), [len(w.job_lines("completed")) for w in workers]
 
 
 @pytest.mark.slow
@@ -127,7 +127,7 @@ def test_concurrency_option_forks_processes_that_share_the_queue():
     pids = set(runs.values_list("pid", flat=True))
     assert worker.pid not in pids, "jobs must run in the forked processes, not in the supervisor"
     assert len(pids) > 1, f"every job ran in one forked process: {pids}"
-    assert sorted(line.split()[1] for line in worker.job_lines("acked")) == sorted(ids)
+    assert sorted(line.split()[1] for line in worker.job_lines("completed")) == sorted(ids)
 
 
 # -- 2. a crashed worker's lease is recovered by jobs_reap ----------------------------------------
@@ -172,7 +172,7 @@ def test_sigkilled_worker_leaves_a_lease_that_jobs_reap_recovers():
         # A fresh worker started only now: jobs_reap, not this worker's own reaping, recovered it.
         code, second = procs.run("jobs_work", "--backend", "pg", "--once", env=env, timeout=30)
         assert code == 0, second.output()
-        assert len(second.job_lines("acked")) == 1 and job_id in second.job_lines("acked")[0], second.output()
+        assert len(second.job_lines("completed")) == 1 and job_id in second.job_lines("completed")[0], second.output()
 
     row = job(job_id)
     assert (row.status, row.attempts) == ("completed", 2)
@@ -282,7 +282,7 @@ def test_stop_signal_finishes_the_running_job_then_exits_0(signum, group):
     # The job in hand was finished, not abandoned or interrupted ...
     row = job(running)
     assert (row.status, row.attempts) == ("completed", 1), row.last_error
-    assert [line.split()[:2] for line in worker.job_lines()] == [["acked", running]], worker.output()
+    assert [line.split()[:2] for line in worker.job_lines()] == [["completed", running]], worker.output()
     # ... nothing was left leased ...
     assert not Job.objects.using(PG).filter(status="in_progress").exists()
     # ... and no new job was taken after the signal.
@@ -306,9 +306,9 @@ def test_once_runs_one_job_and_exits_0():
         code, worker = procs.run("jobs_work", "--backend", "pg", "--once", env=worker_env(), timeout=30)
     assert code == 0, worker.output()
     assert worker.out[0].startswith(START_LINE), worker.output()
-    assert [line.split()[:2] for line in worker.job_lines()] == [["acked", ids[0]]], worker.output()
+    assert [line.split()[:2] for line in worker.job_lines()] == [["completed", ids[0]]], worker.output()
     assert worker.out[-1].startswith(f"{STOP_LINE}: process {worker.pid}, 1 deliveries in "), worker.output()
-    assert worker.out[-1].endswith(": 1 acked"), worker.output()
+    assert worker.out[-1].endswith(": 1 completed"), worker.output()
     assert [job(i).status for i in ids] == ["completed", "pending"]
 
 
@@ -328,7 +328,7 @@ def test_max_n_runs_n_jobs_and_exits_0():
         code, worker = procs.run("jobs_work", "--backend", "pg", "--max", "3", env=worker_env(), timeout=30)
     assert code == 0, worker.output()
     assert worker.out[0].startswith(START_LINE), worker.output()
-    assert [line.split()[:2] for line in worker.job_lines()] == [["acked", i] for i in ids[:3]], worker.output()
+    assert [line.split()[:2] for line in worker.job_lines()] == [["completed", i] for i in ids[:3]], worker.output()
     assert [job(i).status for i in ids] == ["completed"] * 3 + ["pending"] * 2
 
 

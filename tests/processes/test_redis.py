@@ -126,9 +126,9 @@ def test_three_worker_processes_drain_3000_jobs_exactly_once(postgres_up, backen
     runs = runs_with_prefix(prefix)
     assert runs.count() == total, "some job ran more than once"
     assert runs.values("key").distinct().count() == total
-    acked = [line.split()[1] for worker in workers for line in worker.job_lines("acked")]
+    acked = [line.split()[1] for worker in workers for line in worker.job_lines("completed")]
     assert sorted(acked) == sorted(ids), "every job acked exactly once across the three processes"
-    assert all(worker.job_lines("acked") for worker in workers), "the work was not shared"
+    assert all(worker.job_lines("completed") for worker in workers), "the work was not shared"
     assert len(set(runs.values_list("pid", flat=True))) > 1
     assert backend.size("default") == 0
     assert backend.stats("default") == zero_stats()
@@ -179,7 +179,7 @@ def test_sigkilled_worker_lease_is_recovered_by_jobs_reap(postgres_up, backend, 
         # A fresh worker, started only now, completes it as the second run.
         code, second = procs.run("jobs_work", "--backend", "redis", "--once", env=env, timeout=30)
         assert code == 0, second.output()
-        [line] = second.job_lines("acked")
+        [line] = second.job_lines("completed")
         assert job_id in line and "attempt=2" in line, second.output()
 
     runs = effects(key)

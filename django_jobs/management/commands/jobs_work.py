@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import threading
@@ -8,7 +9,9 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_jobs import registry, signing
+from django_jobs import health, registry, signing
+from django_jobs.backends import get_backend
+from django_jobs.backends.base import QueueBackend
 from django_jobs.pool import STOP_SIGNALS, WorkerPool
 from django_jobs.reaper import recover_claims
 from django_jobs.worker import QueueWorker
@@ -47,8 +50,9 @@ class Command(BaseCommand):
         except ImproperlyConfigured as exc:
             raise CommandError(_validate.one_line(exc)) from exc
         _validate.migrated(backend)
-        prefetch = opts["prefetch"]
-        self.report = _report.Report(self.stdout, opts["verbosity"])
+        # Colours on a terminal only (or with --force-color); --no-color has made the style plain.
+        colour = opts["force_color"] or self.stdout.isatty()
+        self.report = _report.Report(self.stdout, opts["verbosity"], self.style if colour else None, self.stderr)
         per_job = opts["verbosity"] >= 1
         limits: dict[str, Any] = {
             "max_jobs": 1 if opts["once"] else opts["max_jobs"],
@@ -57,6 +61,13 @@ class Command(BaseCommand):
             "sleep": opts["sleep"],
             "on_result": self.report.result if per_job else None,  # one line per job
         }
+        # A rejection's line is all a worker's terminal shows of it (its log record stays elsewhere).
+        with _report.rejections_once_on_a_terminal() if per_job else contextlib.nullcontext():
+            self.work(backend, queues, opts, limits)
+
+    def work(self, backend: str, queues: list[str], opts: dict[str, Any], limits: dict[str, Any]) -> None:
+        """Here (a bounded run of one process), or in a supervised pool of processes."""
+        per_job, prefetch = opts["verbosity"] >= 1, opts["prefetch"]
         if opts["concurrency"] == 1 and (opts["once"] or opts["max_jobs"] is not None):
             self.work_here(QueueWorker(backend, queues, exit_on_hard_timeout=True, prefetch=prefetch), limits)
             return
@@ -70,8 +81,16 @@ class Command(BaseCommand):
         )
         pool.install_signal_handlers()
         self.report.started(backend, queues, opts["concurrency"])
+        self.warn_if_not_persistent(get_backend(backend))  # pool.run() closes it before forking
         if pool.run():
             raise CommandError("worker processes keep dying at start-up (see the errors logged above); giving up")
+
+    def warn_if_not_persistent(self, backend: QueueBackend) -> None:
+        """A ``WARNING:`` line under the start line when a restart of the backend's server
+        would lose every queued job (Redis without AOF or RDB save points)."""
+        warning = health.persistence_warning(backend)
+        if warning is not None:
+            self.report.warning(warning)
 
     def work_here(self, worker: QueueWorker, limits: dict[str, Any]) -> None:
         """A bounded run of one process (``--once``, ``--max``) needs no supervisor: the worker
@@ -84,6 +103,7 @@ class Command(BaseCommand):
         previous = {signum: signal.signal(signum, lambda *_: worker.stop()) for signum in STOP_SIGNALS} if main else {}
         try:
             self.report.started(worker.backend.name, worker.queues, 1)
+            self.warn_if_not_persistent(worker.backend)
             worker.run(**limits)
             if self.report.verbosity >= 1:
                 self.report.stopped()
