@@ -175,7 +175,7 @@ def throughput(now: datetime) -> list[ThroughputRow]:
     }
     names = list(conf.get("BACKENDS")) + sorted(set(found) - set(conf.get("BACKENDS")))
     rows = [ThroughputRow(name, _counts(found.get(name), "hour"), _counts(found.get(name), "day")) for name in names]
-    total = ThroughputRow("", _sum(row.hour for row in rows), _sum(row.day for row in rows))
+    total = ThroughputRow("", _sum([row.hour for row in rows]), _sum([row.day for row in rows]))
     return [*rows, total]
 
 
@@ -183,9 +183,8 @@ def _counts(row: dict[str, Any] | None, window: str) -> Counts:
     return Counts(**{name: (row or {}).get(f"{name}_{window}") or 0 for name in COUNTERS})
 
 
-def _sum(counts: Any) -> Counts:
-    listed = list(counts)
-    return Counts(**{name: sum(getattr(c, name) for c in listed) for name in COUNTERS})
+def _sum(counts: list[Counts]) -> Counts:
+    return Counts(**{name: sum(getattr(c, name) for c in counts) for name in COUNTERS})
 
 
 @dataclass(frozen=True)
