@@ -3,6 +3,7 @@
 Each process runs one job at a time in its main thread, so ``SIGALRM`` timeouts work and a job
 that crashes or wedges its process (``os._exit``, a segfault, a hard timeout) costs one restart,
 never the worker. ``SIGTERM``/``SIGINT`` let every process finish its current job, then exit 0.
+Each process keeps its row in the workers panel while it runs (:mod:`~django_jobs.presence`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from django.db import connections
 
 from . import backends
 from .backends.base import Lease
+from .presence import Presence
 from .worker import QueueWorker, WorkerResult
 
 if TYPE_CHECKING:
@@ -206,7 +208,8 @@ class WorkerPool:
                 worker.stop()
             if self.on_start is not None:
                 self.on_start()
-            worker.run(budget=self.budget, **self.run_options)
+            with Presence(worker):  # its row in the workers panel, written every Worker.BEAT
+                worker.run(budget=self.budget, **self.run_options)
             if self.on_stop is not None:
                 self.on_stop()
             worker.backend.close()  # hands back anything still held for us (a reserved-ahead job)

@@ -129,6 +129,11 @@ class QueueWorker:
         # Told of each lease before its delivery (``True``) and after it (``False``): a pool's
         # supervisor recovers the claims of a worker process that died (``recover_claims``).
         self.in_hand: Callable[[Lease, bool], None] | None = None
+        # Read by the presence thread (:mod:`~django_jobs.presence`), written here only: the
+        # job in hand (its id, and ``time.time()`` when it started) and the deliveries so far
+        # per (queue, outcome), which only ever grow.
+        self.current: tuple[str, float] | None = None
+        self.tally: dict[tuple[str, Outcome], int] = {}
 
     # -- one delivery --
 
@@ -146,13 +151,20 @@ class QueueWorker:
 
     def process(self, lease: Lease) -> WorkerResult:
         """Verify, run and settle one fetched lease. Never raises for a job's own failure."""
-        if self.in_hand is None:
-            return self.pipeline.process(lease)
-        self.in_hand(lease, True)
+        envelope, in_hand = lease.envelope, self.in_hand
+        self.current = (lease.token if envelope is None else envelope.id, time.time())
+        if in_hand is not None:
+            in_hand(lease, True)
         try:
-            return self.pipeline.process(lease)
+            result = self.pipeline.process(lease)
         finally:
-            self.in_hand(lease, False)
+            self.current = None
+            if in_hand is not None:
+                in_hand(lease, False)
+        key = (lease.queue, result.status)
+        tally = self.tally
+        tally[key] = tally.get(key, 0) + 1
+        return result
 
     def _after_hard_timeout(self) -> None:
         if self.exit_on_hard_timeout:
