@@ -18,7 +18,7 @@ from .backends import get_backend
 from .backends.database import DatabaseBackend
 from .envelope import Envelope
 from .exceptions import BadSignature, InvalidPayload
-from .models import ENVELOPE_COLUMNS, Job, JobAttempt, JobStatus
+from .models import ENVELOPE_COLUMNS, FINISHED_STATUSES, AttemptOutcome, Job, JobAttempt, JobStatus
 
 logger = logging.getLogger("django_jobs.operations")
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -57,10 +57,10 @@ def job_aliases() -> list[str]:
 
 
 def purge(status: str, queue: str | None = None, before: timedelta | None = None, dry_run: bool = False) -> int:
-    """Delete finished jobs (``completed`` or ``failed``), optionally older than ``before``."""
+    """Delete finished jobs (``completed``, ``failed`` or ``cancelled``), optionally older than ``before``."""
     # JobStatus members are str; without Django's stubs mypy sees their (value, label) tuples.
-    if status not in (JobStatus.COMPLETED, JobStatus.FAILED):  # type: ignore[comparison-overlap]
-        raise ValueError("only completed or failed jobs can be purged")
+    if status not in FINISHED_STATUSES:  # type: ignore[comparison-overlap]
+        raise ValueError("only completed or failed jobs (and cancelled ones) can be purged")
     total = 0
     for alias in job_aliases():
         jobs = Job.objects.using(alias).filter(status=status)
@@ -95,15 +95,20 @@ class RetryOutcome:
     retried: int = 0
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # worth telling, not a failure
-    # The rows retried, as they were before the retry (status failed, their runs and last error).
+    # The rows retried, as they were before the retry (failed or cancelled, their runs and last error).
     jobs: list[Job] = field(default_factory=list)
-    # Of the ids asked for: those no database holds, and those not failed (id -> status).
+    # Of the ids asked for: those no database holds, and those neither failed nor cancelled (id -> status).
     unknown: list[str] = field(default_factory=list)
-    not_failed: dict[str, str] = field(default_factory=dict)
+    not_retryable: dict[str, str] = field(default_factory=dict)
+
+
+# What a retry gives a fresh start: jobs that failed for good, and jobs an operator cancelled.
+RETRYABLE: tuple[str, ...] = (str(JobStatus.FAILED), str(JobStatus.CANCELLED))
 
 
 def retry_by_id(ids: list[str] | None, queue: str | None = None) -> RetryOutcome:
-    """``jobs_retry``: the failed jobs with these ids (every failed job when ``None``), in every database."""
+    """``jobs_retry``: the failed or cancelled jobs with these ids (every failed job when
+    ``None``), in every database."""
     outcome = RetryOutcome()
     for alias in job_aliases():
         jobs = Job.objects.using(alias).all()
@@ -111,7 +116,7 @@ def retry_by_id(ids: list[str] | None, queue: str | None = None) -> RetryOutcome
             jobs = jobs.filter(pk__in=ids)
         if queue:
             jobs = jobs.filter(queue=queue)
-        more = retry_jobs(jobs)
+        more = retry_jobs(jobs if ids is not None else jobs.filter(status=JobStatus.FAILED))
         outcome.retried += more.retried
         outcome.jobs += more.jobs
         outcome.errors += more.errors
@@ -123,24 +128,23 @@ def retry_by_id(ids: list[str] | None, queue: str | None = None) -> RetryOutcome
             rows = Job.objects.using(alias).filter(pk__in=ids).exclude(pk__in=retried)
             found.update((str(pk), str(status)) for pk, status in rows.values_list("pk", "status"))
         outcome.unknown = [i for i in dict.fromkeys(ids) if i not in found and i not in retried]
-        failed: str = JobStatus.FAILED  # type: ignore[assignment]
-        outcome.not_failed = {i: status for i, status in found.items() if status != failed}
+        outcome.not_retryable = {i: status for i, status in found.items() if status not in RETRYABLE}
     return outcome
 
 
 def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
-    """Give failed jobs a fresh start: pending, attempts 0, available now.
+    """Give failed and cancelled jobs a fresh start: pending, attempts 0, available now.
 
     A database-backend row is reset in place; an audit copy of a job that failed on another
     backend is re-dispatched to that backend and the copy removed (a new failure re-records it).
     A job whose backend is no longer configured stays failed and is reported in ``errors``, and
     so does a row whose signature does not verify (a forged or tampered message kept for audit):
     a retry never re-signs or re-sends what no key holder dispatched. ``jobs`` of the outcome
-    holds the rows retried as they were read (failed, with their runs and last error).
+    holds the rows retried as they were read (their status, runs and last error).
     """
     now = timezone.now()
     outcome = RetryOutcome()
-    for row in jobs.filter(status=JobStatus.FAILED):
+    for row in jobs.filter(status__in=RETRYABLE):
         try:
             signing.verify_delivery(envelope_of(row), row.queue)
         except (BadSignature, InvalidPayload) as exc:
@@ -156,7 +160,7 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
         if isinstance(backend, DatabaseBackend):
             reset = (
                 Job.objects.using(backend.alias)
-                .filter(pk=row.pk, status=JobStatus.FAILED)
+                .filter(pk=row.pk, status=row.status)
                 .update(
                     status=JobStatus.PENDING,
                     attempts=0,
@@ -169,7 +173,7 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
                 )
             )
             if not reset:
-                continue  # no longer failed: retried meanwhile
+                continue  # retried meanwhile
         else:
             backend.enqueue(envelope_of(row))
             # Enqueued first, so a failed push loses nothing; a backend that ran it inline and
@@ -183,6 +187,45 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
                 if note not in outcome.notes:
                     outcome.notes.append(note)
         outcome.retried += 1
+        outcome.jobs.append(row)
+    return outcome
+
+
+@dataclass
+class CancelOutcome:
+    # The rows cancelled, as they were before (pending, their runs so far).
+    jobs: list[Job] = field(default_factory=list)
+
+
+def cancel_jobs(jobs: QuerySet[Job], reason: str, worker: str | None = None) -> CancelOutcome:
+    """Stop the pending jobs among ``jobs`` before they run: each becomes ``cancelled``, finished
+    now, with ``reason`` as its last error, and its attempt history records a ``cancelled``
+    attempt (by ``worker``, e.g. ``admin:boss``; this process's ``host:pid`` by default) in place of the run it will not have.
+
+    Each row is settled by one UPDATE that matches it only while it is still pending, so a job
+    a worker claimed meanwhile runs on untouched. Only a database backend's queue has pending
+    rows: a job queued on a broker has no row until it fails, and cannot be cancelled here.
+    ``retry_jobs`` runs a cancelled job again.
+    """
+    outcome = CancelOutcome()
+    for row in jobs.filter(status=JobStatus.PENDING):
+        db = row._state.db
+        now = timezone.now()
+        cancelled = (
+            Job.objects.using(db)
+            .filter(pk=row.pk, status=JobStatus.PENDING)
+            .update(
+                status=JobStatus.CANCELLED,
+                finished_at=now,
+                last_error=reason,
+                owner_token=None,
+                leased_until=None,
+                updated_at=now,
+            )
+        )
+        if not cancelled:
+            continue  # claimed (or cancelled) meanwhile
+        history.record(row.pk, row.attempts + 1, AttemptOutcome.CANCELLED, error=reason, worker=worker, using=db)
         outcome.jobs.append(row)
     return outcome
 

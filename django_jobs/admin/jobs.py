@@ -1,23 +1,32 @@
-"""Admin: failed jobs kept for audit, readable, retryable."""
+"""Admin: the job list and job page; retry failed or cancelled jobs, cancel pending ones."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from django.contrib import admin, messages
+from django.contrib.admin.utils import quote, unquote
+from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse
-from django.urls import reverse
+from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
+from django.urls import URLPattern, path, reverse
+from django.utils import formats, timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from .. import operations
-from ..models import Job, JobAttempt
+from ..models import FINISHED_STATUSES, Job, JobAttempt, JobDashboard, JobStatus, Worker
 
 # How much of an error's first line the attempt history and a retry's log message show.
 SUMMARY_CHARS = 200
+# How much of it the job list's "last error" column shows (the whole first line is its tooltip).
+LIST_ERROR_CHARS = 60
+# Every time the admin shows, to the second.
+SECONDS_FORMAT = "Y-m-d H:i:s"
 
 
 def first_line(text: str, limit: int = SUMMARY_CHARS) -> str:
@@ -26,11 +35,23 @@ def first_line(text: str, limit: int = SUMMARY_CHARS) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+def runs_text(attempts: int) -> str:
+    """``1 run``, ``3 runs``."""
+    return f"{attempts} run{'' if attempts == 1 else 's'}"
+
+
 def retry_message(job: Job) -> str:
     """The admin log's change message for a retry of ``job``, read before the retry reset it."""
-    runs = f"{job.attempts} run{'' if job.attempts == 1 else 's'}"
+    was = f"was {job.get_status_display().lower()} after {runs_text(job.attempts)}"
     error = first_line(job.last_error)
-    return f"Retried (was failed after {runs}: {error})" if error else f"Retried (was failed after {runs})"
+    return f"Retried ({was}: {error})" if error else f"Retried ({was})"
+
+
+def cancel_message(job: Job) -> str:
+    """The admin log's change message for the cancellation of ``job``, read before it."""
+    if job.attempts == 0:
+        return "Cancelled (was pending, never run)"
+    return f"Cancelled (was pending a retry after {runs_text(job.attempts)})"
 
 
 def duration_text(seconds: float) -> str:
@@ -43,6 +64,42 @@ def duration_text(seconds: float) -> str:
     if minutes < 60:
         return f"{minutes} min {secs} s"
     return f"{minutes // 60} h {minutes % 60} min"
+
+
+def time_text(value: datetime | None) -> str:
+    """``value`` in the current time zone, to the second (``2025-06-01 14:03:09``), or ``—``."""
+    if value is None:
+        return "—"
+    shown: str = formats.date_format(timezone.template_localtime(value), SECONDS_FORMAT)
+    return shown
+
+
+def shown_to_the_second(field: str) -> Callable[[Any, Job], str]:
+    """A display method for the ``Job`` datetime ``field``, to the second (the admin's own
+    rendering of a read-only datetime drops the seconds)."""
+
+    @admin.display(description=Job._meta.get_field(field).verbose_name, ordering=field)
+    def show(model_admin: Any, obj: Job) -> str:
+        return time_text(getattr(obj, field))
+
+    shown: Callable[[Any, Job], str] = show
+    return shown
+
+
+def job_duration(job: Job) -> tuple[str, str]:
+    """The list's duration cell of ``job`` and its tooltip.
+
+    A finished job: from its dispatch to its end (``finished_at - created_at``: queue waits and
+    retries included). A job in progress: since its claim (the claim sets ``updated_at``, and
+    nothing else changes it while the job runs). A pending job: nothing.
+    """
+    if job.status in FINISHED_STATUSES and job.finished_at is not None:
+        took = duration_text(max((job.finished_at - job.created_at).total_seconds(), 0.0))
+        return took, f"{job.get_status_display()} {took} after it was dispatched (waits and retries included)"
+    if job.status == JobStatus.IN_PROGRESS:
+        running = duration_text(max((timezone.now() - job.updated_at).total_seconds(), 0.0))
+        return f"running {running}", f"claimed by a worker {running} ago, at {time_text(job.updated_at)}"
+    return "", ""
 
 
 @dataclass(frozen=True)
@@ -65,39 +122,57 @@ class AttemptRow:
 
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):
-    list_display = ("id", "label", "queue", "status", "runs", "available_at", "finished_at", "backend")
+    # Queue and backend show under the job's name, its runs under its status: the list fits a
+    # 1280 px screen with the nav sidebar and the filters open.
+    list_display = ("short_id", "label", "status_and_runs", "created", "duration", "error_summary")
+    list_display_links = ("short_id",)
     list_filter = ("status", "queue", "handler", "backend")
     search_fields = ("id", "name", "handler", "idempotency_key", "last_error")
     date_hierarchy = "created_at"
-    actions = ["retry"]
+    actions = ["retry", "cancel"]
+    available = shown_to_the_second("available_at")
+    leased = shown_to_the_second("leased_until")
+    created = shown_to_the_second("created_at")
+    updated = shown_to_the_second("updated_at")
+    finished = shown_to_the_second("finished_at")
     fieldsets = (
-        (None, {"fields": ("id", "name", "handler", "queue", "backend", "status")}),
+        (None, {"fields": ("id", "name", "handler", "queue", "backend", "status_badge")}),
         ("Attempts", {"fields": ("attempts", "max_retries", "last_error_display")}),
         ("Payload", {"fields": ("payload_display", "options", "idempotency_key")}),
-        (
-            "Timing",
-            {
-                "fields": (
-                    "priority",
-                    "timeout",
-                    "available_at",
-                    "leased_until",
-                    "created_at",
-                    "updated_at",
-                    "finished_at",
-                )
-            },
-        ),
+        ("Timing", {"fields": ("priority", "timeout", "available", "leased", "created", "updated", "finished")}),
     )
 
+    @admin.display(description="id", ordering="id")
+    def short_id(self, obj: Job) -> SafeString:
+        return format_html('<span title="{}">{}</span>', obj.pk, obj.pk[:8])
+
     @admin.display(description="job", ordering="name")
-    def label(self, obj: Job) -> str:
-        label: str = obj.name or obj.handler
-        return label
+    def label(self, obj: Job) -> SafeString:
+        return format_html('{}<div class="job-meta">{} · {}</div>', obj.name or obj.handler, obj.queue, obj.backend)
+
+    @admin.display(description="status")
+    def status_badge(self, obj: Job) -> SafeString:
+        return format_html('<span class="job-status status-{}">{}</span>', obj.status, obj.get_status_display())
+
+    @admin.display(description="status", ordering="status")
+    def status_and_runs(self, obj: Job) -> SafeString:
+        return format_html('{}<div class="job-meta">runs {}</div>', self.status_badge(obj), self.runs(obj))
 
     @admin.display(description="runs", ordering="attempts")
     def runs(self, obj: Job) -> str:
         return f"{obj.attempts} / {obj.max_retries + 1}"
+
+    @admin.display(description="time to finish")
+    def duration(self, obj: Job) -> SafeString | str:
+        text, title = job_duration(obj)
+        return format_html('<span title="{}">{}</span>', title, text) if text else "—"
+
+    @admin.display(description="last error")
+    def error_summary(self, obj: Job) -> SafeString | str:
+        if not obj.last_error:
+            return "—"
+        whole = first_line(obj.last_error, len(obj.last_error))
+        return format_html('<span title="{}">{}</span>', whole, first_line(whole, LIST_ERROR_CHARS))
 
     @admin.display(description="last error")
     def last_error_display(self, obj: Job) -> SafeString:
@@ -108,13 +183,37 @@ class JobAdmin(admin.ModelAdmin):
         return format_html("<pre>{}</pre>", json.dumps(obj.payload, indent=2, ensure_ascii=False))
 
     def get_readonly_fields(self, request: HttpRequest, obj: Job | None = None) -> list[str]:
-        return [f.name for f in Job._meta.fields] + ["last_error_display", "payload_display"]
+        shown = [
+            "status_badge",
+            "last_error_display",
+            "payload_display",
+            "available",
+            "leased",
+            "created",
+            "updated",
+            "finished",
+        ]
+        return [f.name for f in Job._meta.fields] + shown
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False  # jobs are read-only records; the "retry" action is the way to change one
+        return False  # jobs are read-only records; retry and cancel are the ways to change one
+
+    def has_operate_permission(self, request: HttpRequest) -> bool:
+        """May retry and cancel jobs: ``django_jobs.change_job``."""
+        allowed: bool = request.user.has_perm("django_jobs.change_job")
+        return allowed
+
+    def get_urls(self) -> list[URLPattern]:
+        wrap = self.admin_site.admin_view
+        prefix = f"{self.opts.app_label}_{self.opts.model_name}"
+        return [
+            path("<path:object_id>/retry/", wrap(self.retry_view), name=f"{prefix}_retry"),
+            path("<path:object_id>/cancel/", wrap(self.cancel_view), name=f"{prefix}_cancel"),
+            *super().get_urls(),
+        ]
 
     def render_change_form(
         self,
@@ -130,12 +229,30 @@ class JobAdmin(admin.ModelAdmin):
             # order: a retry numbers its attempts from 1 again.
             attempts = JobAttempt.objects.using(obj._state.db).filter(job_id=obj.pk).order_by("id")
             context["attempt_history"] = [AttemptRow(attempt) for attempt in attempts]
+            if self.has_operate_permission(request):
+                context["job_buttons"] = self._buttons(obj)
         response: HttpResponse = super().render_change_form(request, context, add, change, form_url, obj)
         return response
 
-    @admin.action(description="Retry selected failed jobs", permissions=["retry"])
+    def _buttons(self, obj: Job) -> list[dict[str, str]]:
+        """The job page's Retry or Cancel button, as the job's status allows."""
+        if obj.status in operations.RETRYABLE:
+            return [{"name": "retry", "label": "Retry", "url": self._url("retry", obj)}]
+        if obj.status == JobStatus.PENDING:
+            return [{"name": "cancel", "label": "Cancel", "url": self._url("cancel", obj)}]
+        return []
+
+    def _url(self, view: str, obj: Job | None = None) -> str:
+        """The URL of this admin's ``view`` (``changelist``, ``change``, ``retry``, ``cancel``)."""
+        name = f"admin:{self.opts.app_label}_{self.opts.model_name}_{view}"
+        url: str = reverse(name, args=[] if obj is None else [quote(obj.pk)])
+        return url
+
+    # -- retry ----------------------------------------------------------------------------------
+
+    @admin.action(description="Retry selected failed or cancelled jobs", permissions=["operate"])
     def retry(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
-        """Requeue the failed jobs selected; each retry is logged in the job's admin history."""
+        """Requeue the failed and cancelled jobs selected; each retry is logged in the job's admin history."""
         outcome = operations.retry_jobs(queryset)
         for job in outcome.jobs:
             self.log_change(request, job, retry_message(job))
@@ -144,16 +261,69 @@ class JobAdmin(admin.ModelAdmin):
         for note in outcome.notes:
             self.message_user(request, note, messages.INFO)
         skipped = queryset.count() - outcome.retried - len(outcome.errors)
-        self.message_user(request, f"Requeued {outcome.retried} job(s).", messages.SUCCESS)
+        level = messages.SUCCESS if outcome.retried else messages.WARNING
+        self.message_user(request, f"Requeued {outcome.retried} job(s).", level)
         if skipped > 0:
             self.message_user(
-                request, f"{skipped} selected job(s) were not failed and were left alone.", messages.WARNING
+                request,
+                f"{skipped} selected job(s) were not failed or cancelled and were left alone.",
+                messages.WARNING,
             )
 
-    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
-        extra = {"dashboard_url": reverse("admin:django_jobs_jobdashboard_changelist"), **(extra_context or {})}
-        return super().changelist_view(request, extra)
+    def retry_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """The job page's Retry button (POST)."""
+        return self._button(request, object_id, self.retry)
 
-    def has_retry_permission(self, request: HttpRequest) -> bool:
-        allowed: bool = request.user.has_perm("django_jobs.change_job")
-        return allowed
+    # -- cancel ---------------------------------------------------------------------------------
+
+    @admin.action(description="Cancel selected pending jobs", permissions=["operate"])
+    def cancel(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        """Cancel the pending jobs selected (a job claimed meanwhile runs on); each is logged."""
+        user = request.user.get_username()
+        outcome = operations.cancel_jobs(queryset, f"Cancelled by {user} in the admin", worker=f"admin:{user}")
+        for job in outcome.jobs:
+            self.log_change(request, job, cancel_message(job))
+        if not outcome.jobs:
+            self.message_user(
+                request,
+                "No job was cancelled: only pending jobs can be, and a job queued on a broker "
+                "(Redis, beanstalkd, Service Bus) has no row here until it fails.",
+                messages.ERROR,
+            )
+            return
+        self.message_user(request, f"Cancelled {len(outcome.jobs)} job(s).", messages.SUCCESS)
+        skipped = queryset.count() - len(outcome.jobs)
+        if skipped > 0:
+            self.message_user(
+                request, f"{skipped} selected job(s) were not pending and were left alone.", messages.WARNING
+            )
+
+    def cancel_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """The job page's Cancel button (POST)."""
+        return self._button(request, object_id, self.cancel)
+
+    def _button(
+        self, request: HttpRequest, object_id: str, action: Callable[[HttpRequest, QuerySet[Job]], None]
+    ) -> HttpResponse:
+        """Run ``action`` on one job for a POST of a user allowed to, then show the job again
+        (or the list, when the job's row is gone: a broker's job re-dispatched by a retry)."""
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        if not self.has_operate_permission(request):
+            raise PermissionDenied
+        job = self.get_object(request, unquote(object_id))
+        if job is None:
+            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
+        jobs = self.get_queryset(request).filter(pk=job.pk)
+        action(request, jobs)
+        return HttpResponseRedirect(self._url("change", job) if jobs.exists() else self._url("changelist"))
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        # Links above the list to the dashboard and the workers panel, for whoever may see them.
+        links: dict[str, Any] = {"dashboard_url": JobDashboard, "workers_url": Worker}
+        extra = {
+            key: reverse(f"admin:{model._meta.app_label}_{model._meta.model_name}_changelist")
+            for key, model in links.items()
+            if self.admin_site.get_model_admin(model).has_view_permission(request)
+        }
+        return super().changelist_view(request, {**extra, **(extra_context or {})})

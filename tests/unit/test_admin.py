@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import re
+from datetime import timedelta
 
 import pytest
 from django.contrib.admin.models import CHANGE, LogEntry
@@ -11,6 +12,7 @@ from django.contrib.auth.models import Permission
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
+from django.utils import timezone
 
 from django_jobs import Jobs
 from django_jobs.admin import SUMMARY_CHARS, duration_text, retry_message
@@ -348,8 +350,275 @@ def test_durations_read_at_a_glance(seconds, text):
 
 
 def test_a_retry_message_quotes_only_the_errors_first_line():
-    long = Job(attempts=2, last_error="\nValueError: " + "x" * 500 + "\nTraceback (most recent call last):\n")
-    message = retry_message(long)
+    error = "\nValueError: " + "x" * 500 + "\nTraceback (most recent call last):\n"
+    message = retry_message(Job(status="failed", attempts=2, last_error=error))
     assert message.startswith("Retried (was failed after 2 runs: ValueError: xxx") and message.endswith("…)")
     assert len(message) == len("Retried (was failed after 2 runs: )") + SUMMARY_CHARS
-    assert retry_message(Job(attempts=1, last_error="")) == "Retried (was failed after 1 run)"
+    assert retry_message(Job(status="failed", attempts=1, last_error="")) == "Retried (was failed after 1 run)"
+    cancelled = Job(status="cancelled", attempts=0, last_error="Cancelled by boss in the admin")
+    assert retry_message(cancelled) == "Retried (was cancelled after 0 runs: Cancelled by boss in the admin)"
+
+
+# -- the job list: badges, short ids, times to the second, durations, errors ---------------------
+
+
+def cell(page: str, job_id: str, column: str) -> str:
+    """The HTML inside the ``column`` cell of ``job_id``'s row of the job list."""
+    row = re.search(rf'<tr>(?:(?!</tr>).)*?value="{job_id}".*?</tr>', page, re.DOTALL)
+    assert row, f"job {job_id} is not listed"
+    found = re.search(rf'<t[dh] class="field-{column}">(.*?)</t[dh]>', row.group(0), re.DOTALL)
+    assert found, f"no {column} column"
+    return found.group(1)
+
+
+def test_the_list_shows_badges_short_ids_and_times_to_the_second(superuser_client, failed_job):
+    failed = failed_job(runs=1)
+    pending = scripted.dispatch(action="ok")
+
+    page = superuser_client.get(reverse(CHANGELIST)).content.decode()
+
+    assert cell(page, failed, "status_and_runs") == (
+        '<span class="job-status status-failed">Failed</span><div class="job-meta">runs 1 / 1</div>'
+    )
+    assert cell(page, pending, "status_and_runs") == (
+        '<span class="job-status status-pending">Pending</span><div class="job-meta">runs 0 / 1</div>'
+    )
+    assert cell(page, failed, "label") == 'tests.testapp.jobs.scripted<div class="job-meta">default · default</div>'
+    url = reverse("admin:django_jobs_job_change", args=[failed])
+    assert cell(page, failed, "short_id") == f'<a href="{url}"><span title="{failed}">{failed[:8]}</span></a>'
+    job = Job.objects.get(pk=failed)
+    assert cell(page, failed, "created") == f"{job.created_at:%Y-%m-%d %H:%M:%S}"
+    assert cell(page, failed, "error_summary") == (
+        '<span title="RuntimeError: scripted failure">RuntimeError: scripted failure</span>'
+    )
+    assert cell(page, pending, "error_summary") == "—"
+
+
+def test_the_last_error_column_shows_the_start_of_its_first_line(superuser_client):
+    job_id = scripted.dispatch(action="ok")
+    first = "ValueError: " + "bad value " * 20
+    Job.objects.filter(pk=job_id).update(status="failed", last_error=f"\n{first}\nTraceback (most recent call last):")
+
+    shown = cell(superuser_client.get(reverse(CHANGELIST)).content.decode(), job_id, "error_summary")
+
+    title, text = re.fullmatch(r'<span title="([^"]*)">([^<]*)</span>', shown).groups()
+    assert title == first.strip()
+    assert len(text) == 60 and text.endswith("…") and first.startswith(text[:-1])
+
+
+def test_the_time_to_finish_of_a_finished_job_and_the_running_time_of_one_in_progress(superuser_client):
+    finished = scripted.dispatch(action="ok")
+    running = scripted.dispatch(action="ok")
+    waiting = scripted.dispatch(action="ok")
+    now = timezone.now()
+    Job.objects.filter(pk=finished).update(
+        status="completed", created_at=now - timedelta(seconds=200), finished_at=now - timedelta(seconds=75)
+    )
+    claimed = now - timedelta(hours=2, minutes=5)  # the claim sets updated_at
+    Job.objects.filter(pk=running).update(status="in_progress", updated_at=claimed)
+
+    page = superuser_client.get(reverse(CHANGELIST)).content.decode()
+
+    assert cell(page, finished, "duration") == (
+        '<span title="Completed 2 min 5 s after it was dispatched (waits and retries included)">2 min 5 s</span>'
+    )
+    assert re.fullmatch(
+        rf'<span title="claimed by a worker 2 h 5 min ago, at {claimed:%Y-%m-%d %H:%M:%S}">running 2 h 5 min</span>',
+        cell(page, running, "duration"),
+    )
+    assert cell(page, waiting, "duration") == "—"
+
+
+def test_the_list_links_to_the_dashboard_and_the_workers(superuser_client):
+    page = superuser_client.get(reverse(CHANGELIST)).content.decode()
+    tools = re.search(r'<ul class="object-tools">(.*?)</ul>', page, re.DOTALL).group(1)
+    assert f'<a href="{reverse("admin:django_jobs_jobdashboard_changelist")}">Dashboard</a>' in tools
+    assert f'<a href="{reverse("admin:django_jobs_worker_changelist")}">Workers</a>' in tools
+
+
+def test_the_job_page_shows_its_times_to_the_second(superuser_client, failed_job):
+    job_id = failed_job(runs=1)
+    page = job_page(superuser_client, job_id)
+    job = Job.objects.get(pk=job_id)
+    for column, value in [
+        ("created", job.created_at),
+        ("updated", job.updated_at),
+        ("available", job.available_at),
+        ("finished", job.finished_at),
+    ]:
+        shown = re.search(rf'field-{column}".*?<div class="readonly">([^<]*)</div>', page, re.DOTALL)
+        assert shown and shown.group(1).strip() == f"{value:%Y-%m-%d %H:%M:%S}", column
+    assert '<span class="job-status status-failed">Failed</span>' in page
+
+
+# -- cancelling, and retrying a cancelled job --------------------------------------------------------
+
+
+def run_action(client, action: str, *job_ids: str):
+    return client.post(reverse(CHANGELIST), {"action": action, "_selected_action": list(job_ids)}, follow=True)
+
+
+def texts(response) -> list[str]:
+    return [str(m) for m in response.context["messages"]]
+
+
+def test_the_cancel_action_cancels_the_pending_jobs_selected(superuser_client):
+    done = scripted.dispatch(action="ok")
+    assert QueueWorker("default").process_once().job_id == done
+    running = scripted.dispatch(action="ok")
+    assert Jobs.backend("default").fetch("default").token == running  # a worker holds it
+    waiting = scripted.dispatch(action="ok")
+    unselected = scripted.dispatch(action="ok")
+
+    response = run_action(superuser_client, "cancel", done, running, waiting)
+
+    assert texts(response) == ["Cancelled 1 job(s).", "2 selected job(s) were not pending and were left alone."]
+    statuses = dict(Job.objects.values_list("pk", "status"))
+    assert statuses == {done: "completed", running: "in_progress", waiting: "cancelled", unselected: "pending"}
+    job = Job.objects.get(pk=waiting)
+    assert (job.last_error, job.finished_at is not None) == ("Cancelled by boss in the admin", True)
+    [attempt] = JobAttempt.objects.filter(job_id=waiting)
+    assert (attempt.outcome, attempt.worker_id, attempt.error) == (
+        "cancelled",
+        "admin:boss",
+        "Cancelled by boss in the admin",
+    )
+    entry = LogEntry.objects.get()
+    assert (entry.object_id, entry.user.username, entry.action_flag) == (waiting, "boss", CHANGE)
+    assert entry.get_change_message() == "Cancelled (was pending, never run)"
+    # The job page shows the cancellation in its history, and offers a retry.
+    rows = history_rows(job_page(superuser_client, waiting))
+    assert [(row["css"], row["outcome"], row["worker"]) for row in rows] == [("cancelled", "Cancelled", "admin:boss")]
+    assert 'class="job-retry"' in job_page(superuser_client, waiting)
+
+
+def test_the_cancel_action_says_why_nothing_was_cancelled(superuser_client, failed_job):
+    failed = failed_job(runs=1)
+    response = run_action(superuser_client, "cancel", failed)
+    [message] = response.context["messages"]
+    assert message.level_tag == "error"
+    assert "No job was cancelled" in str(message) and "has no row here until it fails" in str(message)
+    assert Job.objects.get(pk=failed).status == "failed"
+    assert not LogEntry.objects.exists()
+
+
+def test_the_retry_action_runs_a_cancelled_job_again(superuser_client):
+    job_id = scripted.dispatch(action="ok", key="again")
+    run_action(superuser_client, "cancel", job_id)
+
+    response = run_action(superuser_client, "retry", job_id)
+
+    assert "Requeued 1 job(s)." in texts(response)
+    assert Job.objects.get(pk=job_id).status == "pending"
+    entry = LogEntry.objects.order_by("-id").first()
+    assert entry.get_change_message() == "Retried (was cancelled after 0 runs: Cancelled by boss in the admin)"
+    assert QueueWorker("default").process_once().job_id == job_id
+    assert runs("again") == 1
+
+
+# -- the job page's Retry and Cancel buttons -------------------------------------------------------
+
+
+def button_url(action: str, job_id: str) -> str:
+    return reverse(f"admin:django_jobs_job_{action}", args=[job_id])
+
+
+def buttons(page: str) -> list[tuple[str, str]]:
+    """The job page's POST forms among its object tools: (action URL, button label)."""
+    tools = re.search(r'<ul class="object-tools">(.*?)</ul>', page, re.DOTALL).group(1)
+    forms = re.findall(r'<form method="post" action="([^"]+)">.*?<button[^>]*>([^<]+)</button>', tools, re.DOTALL)
+    assert all("csrfmiddlewaretoken" in form for form in re.findall(r"<form.*?</form>", tools, re.DOTALL))
+    return forms
+
+
+def test_the_job_page_offers_retry_or_cancel_as_the_status_allows(superuser_client, failed_job):
+    failed = failed_job(runs=1)
+    pending = scripted.dispatch(action="ok")
+    done = scripted.dispatch(action="ok")
+    Job.objects.filter(pk=done).update(status="completed")
+
+    assert buttons(job_page(superuser_client, failed)) == [(button_url("retry", failed), "Retry")]
+    assert buttons(job_page(superuser_client, pending)) == [(button_url("cancel", pending), "Cancel")]
+    assert buttons(job_page(superuser_client, done)) == []
+
+
+def test_the_retry_button_requeues_the_job_and_logs_it(superuser_client, failed_job):
+    job_id = failed_job(runs=2)
+
+    response = superuser_client.post(button_url("retry", job_id))
+
+    assert response.status_code == 302
+    assert response["Location"] == reverse("admin:django_jobs_job_change", args=[job_id])
+    assert Job.objects.get(pk=job_id).status == "pending"
+    entry = LogEntry.objects.get(object_id=job_id)
+    assert (entry.user.username, entry.get_change_message()) == (
+        "boss",
+        "Retried (was failed after 2 runs: RuntimeError: scripted failure)",
+    )
+    page = superuser_client.get(response["Location"])
+    assert "Requeued 1 job(s)." in texts(page)
+    assert buttons(page.content.decode()) == [(button_url("cancel", job_id), "Cancel")]
+
+
+def test_the_cancel_button_cancels_the_job_and_logs_it(superuser_client):
+    job_id = scripted.dispatch(action="ok")
+
+    response = superuser_client.post(button_url("cancel", job_id), follow=True)
+
+    assert response.redirect_chain == [(reverse("admin:django_jobs_job_change", args=[job_id]), 302)]
+    assert texts(response) == ["Cancelled 1 job(s)."]
+    assert Job.objects.get(pk=job_id).status == "cancelled"
+    assert LogEntry.objects.get(object_id=job_id).get_change_message() == "Cancelled (was pending, never run)"
+
+
+def test_a_button_pressed_too_late_says_so_and_changes_nothing(superuser_client):
+    job_id = scripted.dispatch(action="ok")
+    assert QueueWorker("default").process_once().job_id == job_id  # it ran while the page was open
+
+    response = superuser_client.post(button_url("cancel", job_id), follow=True)
+
+    assert [m.level_tag for m in response.context["messages"]] == ["error"]
+    assert Job.objects.get(pk=job_id).status == "completed"
+    assert not LogEntry.objects.exists()
+
+
+@pytest.mark.parametrize("action", ["retry", "cancel"])
+def test_the_buttons_refuse_a_get(superuser_client, failed_job, action):
+    job_id = failed_job(runs=1) if action == "retry" else scripted.dispatch(action="ok")
+    status = Job.objects.get(pk=job_id).status
+
+    assert superuser_client.get(button_url(action, job_id)).status_code == 405
+
+    assert Job.objects.get(pk=job_id).status == status
+    assert not LogEntry.objects.exists()
+
+
+def test_a_button_for_a_job_that_does_not_exist_goes_to_the_admin_index(superuser_client):
+    response = superuser_client.post(button_url("retry", "gone"))
+    assert response.status_code == 302 and response["Location"] == reverse("admin:index")
+
+
+def test_a_view_only_staff_user_sees_no_buttons_and_no_actions_and_cannot_post(staff_client, failed_job):
+    failed = failed_job(runs=1)
+    pending = scripted.dispatch(action="ok")
+    client = staff_client("view_job")
+
+    changelist = client.get(reverse(CHANGELIST)).content.decode()
+    assert 'name="action"' not in changelist and 'name="_selected_action"' not in changelist
+    for job_id in (failed, pending):
+        assert buttons(job_page(client, job_id)) == []
+    assert client.post(button_url("retry", failed)).status_code == 403
+    assert client.post(button_url("cancel", pending)).status_code == 403
+    cancelled = run_action(client, "cancel", pending)
+    assert not any("Cancelled" in text for text in texts(cancelled))
+
+    assert dict(Job.objects.values_list("pk", "status")) == {failed: "failed", pending: "pending"}
+    assert not LogEntry.objects.exists()
+
+
+def test_a_staff_user_with_change_permission_gets_the_buttons(staff_client):
+    job_id = scripted.dispatch(action="ok")
+    client = staff_client("view_job", "change_job")
+    assert buttons(job_page(client, job_id)) == [(button_url("cancel", job_id), "Cancel")]
+    assert client.post(button_url("cancel", job_id)).status_code == 302
+    assert Job.objects.get(pk=job_id).status == "cancelled"

@@ -8,11 +8,14 @@ from django_jobs import operations
 
 
 class Command(BaseCommand):
-    help = "Delete completed or failed job rows."
+    help = "Delete completed, failed or cancelled job rows."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
-            "--status", required=True, choices=["completed", "failed"], help="which finished jobs to delete"
+            "--status",
+            required=True,
+            choices=["completed", "failed", "cancelled"],
+            help="which finished jobs to delete",
         )
         parser.add_argument("--queue", help="only jobs of this queue")
         parser.add_argument("--before", help="only jobs finished longer ago than AGE (3600, 15m, 12h, 7d, 2w)")
