@@ -35,6 +35,9 @@ _STATUS = {
     "in_progress": TaskResultStatus.RUNNING,
     "completed": TaskResultStatus.SUCCESSFUL,
     "failed": TaskResultStatus.FAILED,
+    # Cancelled by an operator before it ran: django.tasks has no such status, and the task
+    # will not run (unless retried), so it reads as failed, finished when it was cancelled.
+    "cancelled": TaskResultStatus.FAILED,
 }
 
 
