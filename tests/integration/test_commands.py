@@ -197,7 +197,7 @@ def test_retry_by_ids():
     done = finished("ok")
     err = StringIO()
     assert run("jobs_retry", first, second, done, "nope", stderr=err) == "retried 2 job(s)\n"
-    assert err.getvalue().splitlines() == ["nope: no such job", f"{done}: not failed (it is completed); left alone"]
+    assert err.getvalue().splitlines() == ["nope: no such job", f"{done}: not failed or cancelled (it is completed); left alone"]
     for job_id in (first, second):
         job = Job.objects.get(pk=job_id)
         assert (job.status, job.attempts, job.last_error) == ("pending", 0, "")
@@ -233,7 +233,7 @@ def test_retry_that_retries_none_of_the_given_ids_exits_non_zero():
         run("jobs_retry", "does-not-exist", done, stderr=err)
     assert err.getvalue().splitlines() == [
         "does-not-exist: no such job",
-        f"{done}: not failed (it is completed); left alone",
+        f"{done}: not failed or cancelled (it is completed); left alone",
     ]
     assert Job.objects.get(pk=done).status == "completed"
     # --all-failed with nothing failed is not an error (a cron job's quiet day).
