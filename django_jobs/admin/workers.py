@@ -19,14 +19,13 @@ from ..models import Job, Worker, WorkerQuerySet
 from .jobs import duration_text
 
 STATES = (("running", "Running"), ("stopped", "Stopped"), ("dead", "Dead"))
-STATE_COLOURS = {"running": "#2e7d32", "stopped": "#6b6b6b", "dead": "#c62828"}
 NOTE = (
     f"A worker writes its row every {Worker.BEAT.seconds} s; "
     f"one not seen for {Worker.DEAD_AFTER.seconds} s is dead (killed or its host lost)."
 )
 # A job id is shown cut to this many characters (the whole id is its tooltip).
-JOB_ID_CHARS = 12
-TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+JOB_ID_CHARS = 10
+DATE_FORMAT, TIME_FORMAT = "%Y-%m-%d", "%H:%M:%S"
 
 
 def ago(seconds: float) -> str:
@@ -41,9 +40,14 @@ def ago(seconds: float) -> str:
     return f"{seconds // 86400} d ago"
 
 
-def local_time(moment: datetime) -> str:
-    """``moment`` in the current time zone, to the second."""
-    return f"{timezone.localtime(moment) if timezone.is_aware(moment) else moment:{TIME_FORMAT}}"
+def local(moment: datetime) -> datetime:
+    """``moment`` in the current time zone."""
+    return timezone.localtime(moment) if timezone.is_aware(moment) else moment
+
+
+def two_lines(first: str, second: str) -> SafeString:
+    """A cell's value over a quieter second line (the list stays narrow)."""
+    return format_html('{}<div class="worker-meta">{}</div>', first, second)
 
 
 class StateFilter(admin.SimpleListFilter):
@@ -71,19 +75,8 @@ class StateFilter(admin.SimpleListFilter):
 class WorkerAdmin(admin.ModelAdmin):
     """Read-only; old rows may be deleted (a worker's start also deletes those of a week ago)."""
 
-    list_display = (
-        "state_badge",
-        "hostname",
-        "pid",
-        "backend",
-        "queue_list",
-        "started",
-        "seen",
-        "job",
-        "runtime",
-        "processed",
-    )
-    list_display_links = ("hostname",)
+    list_display = ("state_badge", "host", "backend_queues", "started", "seen", "job", "processed")
+    list_display_links = ("host",)
     list_filter = (StateFilter, "backend")
     search_fields = ("hostname", "=pid")
     ordering = ("-last_seen",)
@@ -120,40 +113,37 @@ class WorkerAdmin(admin.ModelAdmin):
     @admin.display(description="state")
     def state_badge(self, obj: Worker) -> SafeString:
         state = obj.state(self._now(obj))
-        return format_html(
-            '<span style="background:{};color:#fff;padding:1px 7px;border-radius:9px;white-space:nowrap">{}</span>',
-            STATE_COLOURS[state],
-            state,
-        )
+        return format_html('<span class="worker-state state-{}">{}</span>', state, state)
 
-    @admin.display(description="queues")
-    def queue_list(self, obj: Worker) -> str:
-        return ", ".join(str(queue) for queue in obj.queues or ())
+    @admin.display(description="host", ordering="hostname")
+    def host(self, obj: Worker) -> SafeString:
+        return two_lines(obj.hostname, f"pid {obj.pid}")
+
+    @admin.display(description="backend", ordering="backend")
+    def backend_queues(self, obj: Worker) -> SafeString:
+        return two_lines(obj.backend, ", ".join(str(queue) for queue in obj.queues or ()))
 
     @admin.display(description="started", ordering="started_at")
     def started(self, obj: Worker) -> SafeString:
-        return format_html('<span style="white-space:nowrap">{}</span>', local_time(obj.started_at))
+        started = local(obj.started_at)
+        return two_lines(f"{started:{DATE_FORMAT}}", f"{started:{TIME_FORMAT}}")
 
     @admin.display(description="last seen", ordering="last_seen")
     def seen(self, obj: Worker) -> SafeString:
-        seconds = (self._now(obj) - obj.last_seen).total_seconds()
-        return format_html(
-            '<span style="white-space:nowrap">{}</span><br><small>{}</small>', local_time(obj.last_seen), ago(seconds)
-        )
+        now, seen = local(self._now(obj)), local(obj.last_seen)
+        shown = f"{seen:{TIME_FORMAT}}" if seen.date() == now.date() else f"{seen:{DATE_FORMAT} {TIME_FORMAT}}"
+        return two_lines(shown, ago((now - seen).total_seconds()))
 
     @admin.display(description="current job")
     def job(self, obj: Worker) -> SafeString | str:
+        """Its id (linked to its page when it has a ``Job`` row) over how long it has run."""
         job_id = obj.current_job
         if not job_id:
             return "—"
         shown = job_id if len(job_id) <= JOB_ID_CHARS else job_id[: JOB_ID_CHARS - 1] + "…"
-        if not getattr(obj, "job_known", False):
-            return format_html('<code title="{}">{}</code>', job_id, shown)
-        url = reverse("admin:django_jobs_job_change", args=[job_id])
-        return format_html('<a href="{}" title="{}"><code>{}</code></a>', url, job_id, shown)
-
-    @admin.display(description="runtime")
-    def runtime(self, obj: Worker) -> str:
-        if not obj.current_job or obj.current_job_started is None:
-            return "—"
-        return duration_text(max((self._now(obj) - obj.current_job_started).total_seconds(), 0.0))
+        code = format_html('<code title="{}">{}</code>', job_id, shown)
+        if getattr(obj, "job_known", False):
+            code = format_html('<a href="{}">{}</a>', reverse("admin:django_jobs_job_change", args=[job_id]), code)
+        started = obj.current_job_started
+        runtime = "" if started is None else duration_text(max((self._now(obj) - started).total_seconds(), 0.0))
+        return two_lines(code, runtime)

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from django.db import OperationalError
+from django.db import OperationalError, connections
 from django.db.models import Sum
 from django.test import override_settings
 from django.urls import reverse
@@ -227,6 +227,33 @@ def test_the_thread_survives_an_outage_prunes_old_rows_and_stop_marks_the_row_st
     row = worker_row(presence)
     assert row.stopped_at is not None and row.state() == "stopped"
     assert throughput(presence_db, presence.id)[0][2] == 5
+
+
+@pytest.mark.django_db(databases=DATABASES, transaction=True)
+@pytest.mark.usefixtures("postgres_up")
+def test_the_thread_keeps_its_connection_as_conn_max_age_says_and_closes_it_at_stop(monkeypatch):
+    """With persistent connections (``CONN_MAX_AGE = None``) the thread keeps one connection
+    between beats, and closes it when it ends: a worker process leaves no connection behind."""
+    monkeypatch.setitem(connections.settings["postgres"], "CONN_MAX_AGE", None)
+
+    def others() -> int:
+        with connections["postgres"].cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            count: int = cursor.fetchone()[0]
+        return count
+
+    idle = others()
+    with override_settings(DATABASE_ROUTERS=[RoutePresenceTo("postgres")]):
+        presence = Presence(QueueWorker("default"), interval=0.02)
+        presence.start()
+        try:
+            wait_until(lambda: Worker.objects.using("postgres").filter(pk=presence.id).exists(), 10, "the row")
+            assert others() == idle + 1
+        finally:
+            presence.stop()
+    wait_until(lambda: others() == idle, 10, "the thread's connection to close")
 
 
 def test_state_is_running_stopped_or_dead_at_a_given_time():
