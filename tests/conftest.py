@@ -258,3 +258,23 @@ def failed_job():
         return job_id
 
     return make
+
+
+@pytest.fixture
+def staff_client(client, django_user_model):
+    """Logs a staff user in with the given ``django_jobs`` permissions and returns the test
+    client: ``staff_client("view_job")``; ``is_staff=False`` makes a user who may not enter the
+    admin at all."""
+    from django.contrib.auth.models import Permission
+
+    def login(*codenames: str, is_staff: bool = True):
+        user = django_user_model.objects.create_user(
+            "staff", "staff@example.com", "pw-for-tests-only", is_staff=is_staff
+        )
+        user.user_permissions.set(
+            Permission.objects.filter(content_type__app_label="django_jobs", codename__in=codenames)
+        )
+        assert client.login(username="staff", password="pw-for-tests-only")
+        return client
+
+    return login

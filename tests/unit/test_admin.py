@@ -8,7 +8,6 @@ from datetime import timedelta
 
 import pytest
 from django.contrib.admin.models import CHANGE, LogEntry
-from django.contrib.auth.models import Permission
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
@@ -32,21 +31,6 @@ def superuser_client(client, django_user_model):
     django_user_model.objects.create_superuser("boss", "boss@example.com", "pw-for-tests-only")
     assert client.login(username="boss", password="pw-for-tests-only")
     return client
-
-
-@pytest.fixture
-def staff_client(client, django_user_model):
-    """Logs a staff user (not a superuser) in with the given ``django_jobs`` permissions."""
-
-    def login(*codenames: str):
-        user = django_user_model.objects.create_user("staff", "staff@example.com", "pw-for-tests-only", is_staff=True)
-        user.user_permissions.set(
-            Permission.objects.filter(content_type__app_label="django_jobs", codename__in=codenames)
-        )
-        assert client.login(username="staff", password="pw-for-tests-only")
-        return client
-
-    return login
 
 
 def job_page(client, job_id: str) -> str:

@@ -9,7 +9,6 @@ from datetime import UTC, datetime, timedelta
 from itertools import count
 
 import pytest
-from django.contrib.auth.models import Permission
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
@@ -31,21 +30,6 @@ ids = count()
 def one_database_backend(settings):
     """The database backend alone, on three queues (the shared settings name six backends)."""
     settings.JOBS = {**settings.JOBS, "BACKENDS": {"default": DATABASE}, "QUEUES": ["default", "emails", "reports"]}
-
-
-@pytest.fixture
-def staff_client(client, django_user_model):
-    """Logs a staff user (not a superuser) in with the given ``django_jobs`` permissions."""
-
-    def login(*codenames: str, is_staff: bool = True):
-        user = django_user_model.objects.create_user("staff", "s@example.com", "pw-for-tests-only", is_staff=is_staff)
-        user.user_permissions.set(
-            Permission.objects.filter(content_type__app_label="django_jobs", codename__in=codenames)
-        )
-        assert client.login(username="staff", password="pw-for-tests-only")
-        return client
-
-    return login
 
 
 def tick(minute: datetime, worker: str = "w1", backend: str = "default", queue: str = "default", **counts: int) -> None:
