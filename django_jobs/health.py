@@ -84,13 +84,14 @@ def check(
     backends: Iterable[str],
     queues: list[str],
     *,
-    max_age: float,
+    max_age: float | None,
     workers: bool = True,
     strict: bool = False,
     now: datetime | None = None,
 ) -> HealthReport:
     """Look at each of ``backends`` (names) and its ``queues``; never raises for a backend's
-    error (it is the check's finding). ``workers=False`` skips the live-worker check."""
+    error (it is the check's finding). ``max_age=None`` skips the ready-age check and
+    ``workers=False`` the live-worker check."""
     report = HealthReport(strict=strict)
     now = now or timezone.now()
     for name in backends:
@@ -118,20 +119,21 @@ def persistence_warning(backend: QueueBackend) -> str | None:
         return None
 
 
-def _queues_look_fine(report: HealthReport, backend: QueueBackend, queues: list[str], max_age: float) -> bool:
+def _queues_look_fine(report: HealthReport, backend: QueueBackend, queues: list[str], max_age: float | None) -> bool:
     """The ready age of each queue; ``False`` (one problem naming the backend) when the backend
     cannot be reached."""
     ages: dict[str, float | None] = {}
     try:
         for queue in queues:
             backend.stats(queue)  # every backend's stats talk to its server: the reachability probe
-            ages[queue] = backend.oldest_ready_age(queue)
+            if max_age is not None:
+                ages[queue] = backend.oldest_ready_age(queue)
     except Exception as exc:  # noqa: BLE001 - whatever the client raises is the finding
         report.add("reachable", backend.name, None, "problem", f"unreachable: {_one_line(exc)}")
         return False
     report.add("reachable", backend.name, None, "ok", "reachable")
     for queue, age in ages.items():
-        if age is None:
+        if age is None or max_age is None:
             report.add("ready-age", backend.name, queue, "ok", "no ready job waiting (or its age is unknown)")
         elif age > max_age:
             detail = f"the oldest ready job has waited {age:.0f}s, more than --max-age {max_age:g}s"

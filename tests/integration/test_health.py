@@ -107,6 +107,25 @@ def test_an_old_ready_database_job_exits_1_naming_its_queue():
     assert health("--queue", "default", "--queue", "other", "--max-age", "7200").endswith("0 warning(s)\n")
 
 
+def test_no_age_check_ignores_a_backlog_but_not_an_unreachable_backend(redis_up):
+    serving("default", "default")
+    job_id = scripted.dispatch(action="ok")
+    Job.objects.filter(pk=job_id).update(available_at=timezone.now() - timedelta(hours=1))
+
+    lines = health("--queue", "default", "--no-age-check").splitlines()
+    assert lines == [
+        "ok       default: reachable",
+        "ok       default/default: 1 live worker(s)",
+        "healthy: 2 ok, 0 problem(s), 0 warning(s)",
+    ]
+    closed = f"redis://127.0.0.1:{free_port()}/0"
+    with jobs_settings(
+        BACKENDS={**settings.JOBS["BACKENDS"], "redis": {"ENGINE": "redis", "OPTIONS": {"URL": closed}}}
+    ):
+        out, _ = unhealthy("--backend", "redis", "--queue", "default", "--no-age-check", "--no-worker-check")
+    assert "problem  redis: unreachable: ConnectionError" in out
+
+
 def test_an_old_ready_redis_job_exits_1_naming_its_queue(redis_up):
     serving("redis", "default")
     ready_since(Jobs.backend("redis"), 3600)

@@ -38,6 +38,11 @@ class Command(BaseCommand):
             help=f"seconds a ready job may wait before the queue is unhealthy (default {DEFAULT_MAX_AGE:g})",
         )
         parser.add_argument(
+            "--no-age-check",
+            action="store_true",
+            help="do not check how long ready jobs have waited (e.g. a liveness probe: a backlog is no reason to restart)",
+        )
+        parser.add_argument(
             "--no-worker-check",
             action="store_false",
             dest="workers",
@@ -53,7 +58,11 @@ class Command(BaseCommand):
         queues = _validate.queues(opts["queues"] or _validate.known_queues())
         _validate.positive_seconds("--max-age", opts["max_age"])
         report = health.check(
-            dict.fromkeys(backends), queues, max_age=opts["max_age"], workers=opts["workers"], strict=opts["strict"]
+            dict.fromkeys(backends),
+            queues,
+            max_age=None if opts["no_age_check"] else opts["max_age"],
+            workers=opts["workers"],
+            strict=opts["strict"],
         )
         if opts["json"]:
             self.stdout.write(json.dumps(report.as_dict(), indent=2))
