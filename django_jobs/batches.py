@@ -23,6 +23,7 @@ from typing import Protocol
 from .backends.base import NO_RESULT, Lease, QueueBackend
 from .exceptions import LeaseLost
 from .heartbeat import Heartbeat
+from .logfields import lease_fields
 from .metrics import MetricsCollector
 
 logger = logging.getLogger("django_jobs.worker")
@@ -156,7 +157,12 @@ class Batches:
             try:
                 self.backend.release(lease)
             except Exception:
-                logger.warning("job %s: could not hand back the job leased ahead", lease.token, exc_info=True)
+                logger.warning(
+                    "job %s: could not hand back the job leased ahead",
+                    lease.token,
+                    exc_info=True,
+                    extra=lease_fields(lease),
+                )
         if leases and self.tickets is not None:
             self.tickets.give_back(len(leases))
 
@@ -197,4 +203,8 @@ class Batches:
     def _count_lost(self, lost: list[Lease]) -> None:
         for lease in lost:
             self.metrics.increment("jobs_lease_lost", queue=lease.queue)
-            logger.warning("job %s: lease lost before its ack was written (reaped; it may run again)", lease.token)
+            logger.warning(
+                "job %s: lease lost before its ack was written (reaped; it may run again)",
+                lease.token,
+                extra=lease_fields(lease, outcome="lost"),
+            )

@@ -18,9 +18,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from .backends.base import Lease, QueueBackend
 from .exceptions import LeaseLost
+from .logfields import lease_fields, log_fields
 
 logger = logging.getLogger("django_jobs.worker")
 
@@ -145,7 +147,7 @@ class Heartbeat:
             on_deadline = self._on_deadline
             self._lease, self._keep_alive = None, ()
             self._deadline = self._on_deadline = None
-            return lambda: self._hard_timeout(on_deadline)
+            return lambda: self._hard_timeout(on_deadline, lease)
         if now >= self._next_beat:
             keep_alive = self._keep_alive
             self._next_beat = now + self.interval
@@ -163,7 +165,12 @@ class Heartbeat:
             try:
                 keep()
             except Exception:
-                logger.warning("job %s: could not renew its idempotency key or lock", lease.token, exc_info=True)
+                logger.warning(
+                    "job %s: could not renew its idempotency key or lock",
+                    lease.token,
+                    exc_info=True,
+                    extra=lease_fields(lease),
+                )
                 self._reset_connections()
 
     def _extend(self, lease: Lease) -> bool:
@@ -175,7 +182,11 @@ class Heartbeat:
             except LeaseLost:
                 with self._cond:
                     if self._lease is lease:  # not a late beat of a job already settled
-                        logger.warning("job %s: lease lost while running (reaped after a stall?)", lease.token)
+                        logger.warning(
+                            "job %s: lease lost while running (reaped after a stall?)",
+                            lease.token,
+                            extra=lease_fields(lease, outcome="lost"),
+                        )
                         self._lost, self._lease = lease, None
                 return False
             except Exception:
@@ -186,6 +197,7 @@ class Heartbeat:
                         lease.token,
                         min(self.interval, RETRY_AFTER_FAILURE),
                         exc_info=True,
+                        extra=lease_fields(lease),
                     )
                     with self._cond:
                         if self._lease is lease:
@@ -199,25 +211,28 @@ class Heartbeat:
         except Exception:  # closing a dead connection may raise; it is gone either way
             logger.debug("heartbeat: closing a broken connection failed", exc_info=True)
 
-    def _hard_timeout(self, on_deadline: Callable[[], None] | None) -> None:
+    def _hard_timeout(self, on_deadline: Callable[[], None] | None, lease: Lease | None = None) -> None:
         """Settling can wait, killing cannot: the settle gets a bounded time in a thread of its
-        own (it may hang on an unreachable backend), then the process ends either way."""
+        own (it may hang on an unreachable backend), then the process ends either way. Its
+        records carry the log fields of ``lease``, the timed-out one."""
+        extra = log_fields(None, None) if lease is None else lease_fields(lease)
         if on_deadline is not None:
-            settler = threading.Thread(target=self._settle_quietly, args=(on_deadline,), daemon=True)
+            settler = threading.Thread(target=self._settle_quietly, args=(on_deadline, extra), daemon=True)
             settler.start()
             settler.join(SETTLE_BEFORE_KILL)
             if settler.is_alive():
                 logger.error(
                     "hard timeout: the backend did not answer in %gs; the reaper will settle the job",
                     SETTLE_BEFORE_KILL,
+                    extra=extra,
                 )
         if self.on_hard_timeout is not None:
             self.on_hard_timeout()
 
-    def _settle_quietly(self, settle: Callable[[], None]) -> None:
+    def _settle_quietly(self, settle: Callable[[], None], extra: dict[str, Any]) -> None:
         try:
             settle()
         except Exception:
-            logger.exception("hard timeout: could not settle the job; the reaper will")
+            logger.exception("hard timeout: could not settle the job; the reaper will", extra=extra)
         finally:
             self._reset_connections()  # this short-lived thread's own connections

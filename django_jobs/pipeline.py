@@ -38,6 +38,7 @@ from .exceptions import BadSignature, HandlerNotAllowed, InvalidPayload, JobsErr
 from .heartbeat import Heartbeat
 from .idempotency import Claim, IdempotencyGuard
 from .locks import CacheLock
+from .logfields import lease_fields, log_fields
 from .metrics import MetricsCollector, get_collector
 from .models import AttemptOutcome
 from .retry import has_retries_left, may_run, policy_for
@@ -87,27 +88,6 @@ _LABELS = {
 # The label of a requeue that did not count a run: the job did not run, because its
 # idempotency key or single-instance lock was held by another delivery.
 DEFERRED = "deferred"
-# The attributes every log record about a job carries (``extra``), for JSON log formatters.
-LOG_FIELDS = ("job_id", "queue", "handler", "attempt", "outcome")
-
-
-def log_fields(
-    job_id: str | None,
-    queue: str | None,
-    handler: str | None = None,
-    attempt: int | None = None,
-    outcome: str | None = None,
-) -> dict[str, Any]:
-    """The ``extra`` of a log record about a job: every key of :data:`LOG_FIELDS`, ``None``
-    where unknown, so a formatter finds the same attributes on every such record."""
-    return {"job_id": job_id, "queue": queue, "handler": handler, "attempt": attempt, "outcome": outcome}
-
-
-def lease_fields(lease: Lease, attempt: int | None = None, outcome: str | None = None) -> dict[str, Any]:
-    """:func:`log_fields` of a fetched lease (its envelope's id and handler once decoded)."""
-    env = lease.envelope
-    job_id, handler = (lease.token, None) if env is None else (env.id, env.handler)
-    return log_fields(job_id, lease.queue, handler, attempt, outcome)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,12 +16,13 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 from django.db import connections
 
 from . import backends
 from .backends.base import Lease
+from .logfields import log_fields
 from .presence import Presence
 from .worker import QueueWorker, WorkerResult
 
@@ -37,7 +38,8 @@ PR_SET_PDEATHSIG = 1
 STARTING, RUNNING, FINISHED = 0, 1, 2
 # Deaths at start-up in a row after which the supervisor gives up.
 STARTUP_DEATHS = 5
-# A worker process's claims, shared with the supervisor: "queue<US>owner token<US>job in hand".
+# A worker process's claims, shared with the supervisor:
+# "queue<US>owner token<US>lease token of the job in hand<US>its job id".
 CLAIMS_BYTES = 512
 SEPARATOR = "\x1f"
 
@@ -141,9 +143,10 @@ class WorkerPool:
                 pid, status = os.wait()
             except ChildProcessError:
                 break
-            slot, state, started, claims = self.children.pop(pid)
+            slot, state, started, shared = self.children.pop(pid)
             if state.value == FINISHED:
                 continue
+            claims = Claims.read(shared)
             if self.stopping or (self.budget is not None and self.budget.exhausted()):
                 self._recover(claims)  # not replaced: its jobs go back now all the same
                 continue
@@ -161,7 +164,13 @@ class WorkerPool:
                 gave_up = True
                 self._on_signal(signal.SIGTERM, None)  # stop the others; their jobs finish first
                 continue
-            logger.error("worker process %d (slot %d) died with status %s; starting a new one", pid, slot, code)
+            logger.error(
+                "worker process %d (slot %d) died with status %s; starting a new one",
+                pid,
+                slot,
+                code,
+                extra=_death_fields(claims),
+            )
             self._recover(claims)  # after the death is logged: the job it ran counts from here
             if lived < 1:
                 time.sleep(1)  # do not spin if it dies at start-up
@@ -169,17 +178,18 @@ class WorkerPool:
                 self._spawn(slot)
         return 1 if gave_up else 0
 
-    def _recover(self, claims: ctypes.Array[ctypes.c_char]) -> None:
+    def _recover(self, claims: Claims | None) -> None:
         """A worker process died: recover the claims it held now, in this process (whose
         connections are closed again before the next fork)."""
-        text = claims.value.decode(errors="replace")
-        if not text or self.recover is None:
+        if claims is None or self.recover is None:
             return
-        queue, owner, running = text.split(SEPARATOR)
         try:
-            self.recover(queue, owner, running or None)
+            self.recover(claims.queue, claims.owner, claims.running)
         except Exception:
-            logger.exception("could not recover the jobs of a dead worker process; their leases expire instead")
+            logger.exception(
+                "could not recover the jobs of a dead worker process; their leases expire instead",
+                extra=_death_fields(claims),
+            )
         finally:
             connections.close_all()
             backends.reset()
@@ -223,12 +233,41 @@ class WorkerPool:
             os._exit(code)
 
 
+class Claims(NamedTuple):
+    """What a worker process held, as its supervisor reads it from shared memory."""
+
+    queue: str
+    owner: str
+    running: str | None  # the lease token of the job in hand
+    job_id: str | None  # and its job's id
+
+    @staticmethod
+    def read(shared: ctypes.Array[ctypes.c_char]) -> Claims | None:
+        """The claims written by :func:`_recorder`, or ``None`` when it held none."""
+        text = shared.value.decode(errors="replace")
+        if not text:
+            return None
+        queue, owner, running, job_id = text.split(SEPARATOR)
+        return Claims(queue, owner, running or None, job_id or None)
+
+
+def _death_fields(claims: Claims | None) -> dict[str, Any]:
+    """The log fields of a worker process's death: the job it had in hand, lost."""
+    if claims is None:
+        return log_fields(None, None)
+    if claims.running is None:
+        return log_fields(None, claims.queue)
+    return log_fields(claims.job_id, claims.queue, outcome="lost")
+
+
 def _recorder(claims: ctypes.Array[ctypes.c_char]) -> Callable[[Lease, bool], None]:
     """The worker's ``in_hand``: keeps its latest claim, and the job it runs, where the
     supervisor can read them after the process died (two shared-memory writes per job)."""
 
     def record(lease: Lease, running: bool) -> None:
-        text = SEPARATOR.join((lease.queue, lease.owner_token, lease.token if running else "")).encode()
+        job_id = lease.token if lease.envelope is None else lease.envelope.id
+        held = (lease.token, job_id) if running else ("", "")
+        text = SEPARATOR.join((lease.queue, lease.owner_token, *held)).encode()
         claims.value = text if len(text) < CLAIMS_BYTES else b""  # too long to keep: the leases expire
 
     return record

@@ -11,6 +11,7 @@ from .backends import get_backend
 from .backends.base import Lease, QueueBackend
 from .envelope import Envelope
 from .exceptions import BadSignature, InvalidPayload, LeaseLost
+from .logfields import log_fields, queues_fields
 from .metrics import MetricsCollector, get_collector
 from .models import AttemptOutcome
 from .retry import after_lost_run
@@ -50,7 +51,12 @@ class Reaper:
             count = self.backend.reap_expired(queue)
             if count:
                 self.metrics.increment("jobs_reaped", count, queue=queue or "*")
-                logger.warning("reaped %d expired lease(s) on %s", count, queue or "every queue")
+                logger.warning(
+                    "reaped %d expired lease(s) on %s",
+                    count,
+                    queue or "every queue",
+                    extra=log_fields(None, queue, outcome="lost"),
+                )
             total += count
         return total
 
@@ -60,7 +66,7 @@ class Reaper:
             try:
                 self.reap_once()
             except Exception:
-                logger.exception("reaper: backend error")
+                logger.exception("reaper: backend error", extra=queues_fields(self.queues))
                 self.backend_failed()
                 self.backend.close()
             end = time.monotonic() + interval
@@ -124,6 +130,7 @@ def settle_lost_runs(backend: QueueBackend, lease: Lease, lost: int, how: str) -
     lost_run(backend, env.id, lease.queue, env.attempts, error, failed=delay is None)
     if delay is not None and delay <= 0:
         return False
+    extra = log_fields(env.id, lease.queue, env.handler, env.attempts, "failed" if delay is None else "retrying")
     try:
         if delay is None:
             backend.abandon(lease, error, count_run=False)
@@ -134,10 +141,11 @@ def settle_lost_runs(backend: QueueBackend, lease: Lease, lost: int, how: str) -
                 env.name or env.handler,
                 env.attempts,
                 error,
+                extra={**extra, "last_error": error},
             )
         else:
             backend.nack(lease, delay, error=error, count_run=False)
-            logger.warning("job %s on %s: %s; retried in %gs", env.id, lease.queue, error, delay)
+            logger.warning("job %s lost, retrying in %gs: %s", env.id, delay, error, extra=extra)
     except LeaseLost:
         pass  # another delivery of it is being handled elsewhere
     return True

@@ -24,6 +24,7 @@ from .backends import get_backend
 from .backends.base import Lease, QueueBackend
 from .batches import Batches
 from .heartbeat import Heartbeat
+from .logfields import queues_fields
 from .metrics import MetricsCollector, get_collector
 from .pipeline import SETTLE_RETRY_PAUSES, DeliveryPipeline, JobContext, Outcome, WorkerResult, format_error
 from .reaper import Reaper
@@ -276,13 +277,17 @@ class QueueWorker:
         try:
             reaper.reap_once()
         except Exception:
-            logger.exception("worker: reaping expired leases failed; next try in %gs", self.lease_seconds)
+            logger.exception(
+                "worker: reaping expired leases failed; next try in %gs",
+                self.lease_seconds,
+                extra=queues_fields(self.queues),
+            )
             self.backend.reset_connection()
 
     def _outage(self, failures: int, deadline: float | None) -> None:
         """The backend is unreachable: keep the worker alive, reconnect and back off."""
         pause = min(2.0 ** (failures - 1), MAX_OUTAGE_PAUSE)
-        logger.exception("worker: backend error; retrying in %gs", pause)
+        logger.exception("worker: backend error; retrying in %gs", pause, extra=queues_fields(self.queues))
         self.backend.close()
         self.backend.reset_connection()
         self._sleep(pause, deadline)
@@ -295,7 +300,7 @@ class QueueWorker:
             if self.backend.wait_for_work(self.queues, seconds):
                 return
         except Exception:
-            logger.warning("worker: waiting for work failed", exc_info=True)
+            logger.warning("worker: waiting for work failed", exc_info=True, extra=queues_fields(self.queues))
         self._sleep(seconds, deadline)
 
     def _sleep(self, seconds: float, deadline: float | None) -> None:

@@ -1,23 +1,35 @@
-"""Structured logging: every record about a delivery carries the same attributes (``job_id``,
+"""Structured logging: every record about a job carries the same attributes (``job_id``,
 ``queue``, ``handler``, ``attempt``, ``outcome``), so a JSON log formatter gets fields; the
-words are the worker's (completed, retrying, deferred, failed, rejected)."""
+words are the worker's (completed, retrying, deferred, skipped, failed, rejected, lost). The
+worker's records, and those of the reaper, the heartbeat and the supervisor, all have them."""
 
 from __future__ import annotations
 
 import io
 import logging
+import os
+import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import replace
+from datetime import timedelta
 from io import StringIO
+from types import SimpleNamespace
 
 import pytest
 from django.core.management import call_command
+from django.utils import timezone
 
-from django_jobs import Jobs
+from django_jobs import Jobs, pool
+from django_jobs.backends.base import Lease
+from django_jobs.heartbeat import Heartbeat
 from django_jobs.locks import CacheLock
-from django_jobs.pipeline import LOG_FIELDS
+from django_jobs.logfields import LOG_FIELDS
+from django_jobs.models import Job
+from django_jobs.reaper import Reaper
 from django_jobs.worker import QueueWorker
 from tests.api_support import drain
+from tests.fake_servicebus import SDK_INSTALLED, FakeNamespace
 from tests.testapp.jobs import scripted
 
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
@@ -36,6 +48,9 @@ class Capture(logging.Handler):
 
     def about(self, job_id: str) -> list[logging.LogRecord]:
         return [r for r in self.records if getattr(r, "job_id", None) == job_id]
+
+    def saying(self, text: str) -> list[logging.LogRecord]:
+        return [r for r in self.records if text in r.getMessage()]
 
 
 @pytest.fixture
@@ -153,3 +168,121 @@ def test_a_rejection_shows_once_on_a_workers_terminal_and_stays_in_other_logs():
     assert signed.id not in terminal.stream.getvalue()  # the worker's line is all the terminal shows
     assert f"message {signed.id} on queue default rejected: BadSignature" in file.stream.getvalue()
     assert terminal.filters == []  # the handler is left as it was
+
+
+# -- the reaper, the heartbeat and the supervisor ------------------------------------------------------
+
+
+def expired_lease(**options: object) -> Lease:
+    """A job leased by a worker that stalled: its lease has run out, nobody reaped it yet."""
+    job_id = scripted.using(**options).dispatch(action="ok")
+    lease = Jobs.backend("default").fetch("default")
+    assert lease is not None and lease.envelope is not None and lease.envelope.id == job_id
+    Job.objects.filter(pk=job_id).update(leased_until=timezone.now() - timedelta(seconds=1))
+    return lease
+
+
+def test_the_reapers_record_says_how_many_leases_of_which_queue_were_lost(captured):
+    expired_lease(max_retries=1)
+
+    assert Reaper("default", ["default"]).reap_once() == 1
+
+    [record] = captured.saying("reaped 1 expired lease(s) on default")
+    assert record.levelno == logging.WARNING
+    assert fields(record) == {"job_id": None, "queue": "default", "handler": None, "attempt": None, "outcome": "lost"}
+
+
+def test_the_heartbeat_of_a_reaped_lease_logs_it_lost(captured):
+    lease = expired_lease(max_retries=1)
+    Reaper("default", ["default"]).reap_once()
+    beat = Heartbeat(Jobs.backend("default"), lease_seconds=30)
+    beat.watch(lease)
+
+    beat._beat(lease, ())  # one beat, on this thread
+
+    assert beat.lost(lease)
+    [record] = captured.saying("lease lost while running")
+    assert fields(record) == {
+        "job_id": lease.envelope.id,
+        "queue": "default",
+        "handler": HANDLER,
+        "attempt": None,  # the heartbeat does not know the run's number
+        "outcome": "lost",
+    }
+
+
+def lose_runs(namespace: FakeNamespace, times: int) -> None:
+    """``times`` Service Bus deliveries whose worker died: each is fetched, its lock runs out."""
+    for _ in range(times):
+        assert Jobs.backend("servicebus").fetch("default") is not None
+        namespace.advance(namespace.lock_seconds() + 1)
+
+
+WAIT_120 = {"strategy": "fixed", "base": 120, "jitter": False}
+NO_WAIT = {"strategy": "none"}
+
+
+@pytest.mark.parametrize(
+    ("max_retries", "backoff", "lost", "outcome", "level", "text"),
+    [
+        (3, WAIT_120, 1, "retrying", logging.WARNING, "lost, retrying in 120s: WorkerLost"),
+        (1, NO_WAIT, 2, "failed", logging.ERROR, "failed permanently after 2 run(s): WorkerLost"),
+    ],
+)
+@pytest.mark.skipif(not SDK_INSTALLED, reason="azure-servicebus is not installed")
+def test_a_brokers_lost_run_is_logged_retrying_or_failed(
+    captured, servicebus_fake, max_retries, backoff, lost, outcome, level, text
+):
+    env = scripted.using(backend="servicebus", max_retries=max_retries, backoff=backoff).builder(action="ok").build()
+    Jobs.backend("servicebus").enqueue(env)  # at once: a dispatch waits for the test's transaction
+    lose_runs(servicebus_fake, lost)
+
+    assert Jobs.backend("servicebus").fetch("default") is None  # settled at fetch: never handed out
+
+    [record] = captured.about(env.id)
+    assert record.levelno == level and text in record.getMessage()
+    assert fields(record) == {
+        "job_id": env.id,
+        "queue": "default",
+        "handler": HANDLER,
+        "attempt": lost,
+        "outcome": outcome,
+    }
+    if outcome == "failed":
+        assert record.last_error.startswith("WorkerLost: its Service Bus lock expired 2 time(s)")
+
+
+class DiesHoldingAJob:
+    """A worker process whose job kills it: it tells the supervisor of the job in hand, then exits."""
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease, self.in_hand, self.exit_on_hard_timeout = lease, None, False
+
+    def stop(self) -> None:
+        pass
+
+    def run(self, **options: object) -> None:
+        self.in_hand(self.lease, True)
+        os._exit(3)
+
+
+def test_the_supervisor_logs_a_dead_worker_process_with_the_job_it_lost(captured, monkeypatch):
+    # The forked process touches no database, and its supervisor needs not close this test's.
+    monkeypatch.setattr(pool, "connections", SimpleNamespace(close_all=lambda: None))
+    monkeypatch.setattr(pool, "Presence", lambda worker: nullcontext())
+    monkeypatch.setattr(pool, "time", SimpleNamespace(monotonic=time.monotonic, sleep=lambda seconds: None))
+    env = scripted.builder(action="exit").build()
+    lease = Lease(token="broker-7", owner_token="owner-1", expires_at=timezone.now(), queue="default", envelope=env)
+    recovered = []
+
+    def recover(queue: str, owner: str, running: str | None) -> None:
+        recovered.append((queue, owner, running))
+        supervisor.stopping = True  # not replaced: the run ends
+
+    supervisor = pool.WorkerPool(lambda: DiesHoldingAJob(lease), recover=recover)
+
+    assert supervisor.run() == 0
+
+    assert recovered == [("default", "owner-1", "broker-7")]
+    [record] = captured.saying("died with status 3")
+    assert fields(record) == {"job_id": env.id, "queue": "default", "handler": None, "attempt": None, "outcome": "lost"}
