@@ -5,14 +5,23 @@ A superuser logs in through the login form and reads the job list (a badge per s
 ids, no horizontal scrolling at 1280 px with the nav sidebar open), opens a job that failed after
 three runs, reads its attempt history, retries it with the job page's Retry button, finds the
 retry in the job's History page, and cancels a pending job with the list's Cancel action. A
-staff user who may only view jobs reads the list and a job page, is offered no action and no
-button, and a POST to the retry URL is refused. Full-page screenshots (1280 px wide) go to
-``test-artifacts/admin/``. ``JOBS_UPDATE_DOC_SCREENSHOTS=1`` also copies the job list's and the
-job page's to ``docs/images/admin-changelist.png`` and ``docs/images/admin-job-history.png``,
-the screenshots docs/admin.md shows.
+staff user who may only view jobs reads the list, a job page and the dashboard, is offered no
+action and no button, a POST to the retry URL is refused, and the workers panel is theirs only
+with the ``view_worker`` permission (and then without a delete action).
 
-Without chromium, chromedriver or selenium the test skips locally and fails under ``CI=true``.
-Selenium is given the driver's path, so selenium-manager never runs (and never downloads).
+The dashboard, over jobs, failures and per-minute counts of the database backend and Redis: its
+queue table's counts, its two charts, a failed count that opens the job list filtered to those
+jobs, and the handlers failing most. The workers panel, over a running, a stopped and a dead
+worker: state badges, the running one's job linked to its page, the "dead" filter.
+
+Full-page screenshots (1280 px wide) go to ``test-artifacts/admin/``.
+``JOBS_UPDATE_DOC_SCREENSHOTS=1`` also copies the job list's, the job page's, the dashboard's and
+the workers panel's to ``docs/images/admin-changelist.png``, ``admin-job-history.png``,
+``admin-dashboard.png`` and ``admin-workers.png``, the screenshots the docs show.
+
+Without chromium, chromedriver or selenium the test skips locally and fails under ``CI=true``
+(so do the dashboard's, without Redis). Selenium is given the driver's path, so selenium-manager
+never runs (and never downloads).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import os
 import shutil
 import struct
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +40,14 @@ from django.conf import settings
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.auth.models import Permission
 from django.urls import reverse
+from django.utils import timezone
 
 from django_jobs import Jobs, operations
-from django_jobs.models import Job, JobAttempt
+from django_jobs.models import Job, JobAttempt, Throughput, Worker
 from django_jobs.worker import QueueWorker
 from tests.conftest import require_service
 from tests.procs import REPO_ROOT
-from tests.testapp.jobs import scripted
+from tests.testapp.jobs import remember, scripted
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -116,25 +127,81 @@ def log_in(driver: Any, live_server: Any, username: str) -> None:
 
 
 def no_horizontal_scroll(driver: Any) -> bool:
-    """Neither the page nor the job list's own scroller (``#changelist .results``) scrolls sideways."""
+    """Neither the page nor any box of its content (the job list's own scroller, a module such
+    as a dashboard table or chart) is wider inside than it is: nothing scrolls or spills sideways."""
     fits: bool = driver.execute_script(
         """
-        const list = document.querySelector("#changelist .results");
+        const boxes = document.querySelectorAll("#changelist .results, #content-main .module");
         return document.documentElement.scrollWidth <= arguments[0]
-            && (!list || list.scrollWidth <= list.clientWidth);
+            && [...boxes].every(box => box.scrollWidth <= box.clientWidth);
         """,
         WIDTH,
     )
     return fits
 
 
-def absent(driver: Any, css: str) -> bool:
-    """No element matches ``css`` on the page as loaded (no implicit wait for one to appear)."""
+def open_from_index(driver: Any, live_server: Any, model: str) -> None:
+    """The admin index, then its link to ``model``'s page (as listed under the app)."""
+    from selenium.webdriver.common.by import By
+
+    driver.get(f"{live_server.url}{reverse('admin:index')}")
+    driver.find_element(By.CSS_SELECTOR, f"#content-main th a[href$='/django_jobs/{model}/']").click()
+
+
+def table(driver: Any, css: str) -> list[list[str]]:
+    """The text of each cell (``th`` and ``td``) of each row ``css`` matches, read in one go."""
+    rows: list[list[str]] = driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map(row => [...row.cells].map(c => c.innerText.trim()))",
+        css,
+    )
+    return rows
+
+
+def selected_filters(driver: Any) -> dict[str, str]:
+    """The job list's filter sidebar: each filter's title and the choice selected in it."""
+    chosen: dict[str, str] = driver.execute_script(
+        """
+        return Object.fromEntries([...document.querySelectorAll("#changelist-filter details")].map(
+            filter => [filter.dataset.filterTitle, filter.querySelector("li.selected").innerText.trim()]));
+        """
+    )
+    return chosen
+
+
+def listed_jobs(driver: Any) -> set[str]:
+    """The ids of the jobs the job list shows."""
+    from selenium.webdriver.common.by import By
+
+    return {
+        box.get_attribute("value")
+        for box in driver.find_elements(By.CSS_SELECTOR, "#result_list [name=_selected_action]")
+    }
+
+
+def status_of(driver: Any, method: str, url: str) -> int:
+    """The HTTP status of a ``method`` request to ``url`` sent from the page, with the session
+    and the page's CSRF token (every admin page has one, in its log-out form)."""
+    status: int = driver.execute_async_script(
+        """
+        const done = arguments[arguments.length - 1];
+        const token = document.querySelector("[name=csrfmiddlewaretoken]").value;
+        fetch(arguments[1], {method: arguments[0], headers: {"X-CSRFToken": token}, credentials: "same-origin"})
+            .then(response => done(response.status));
+        """,
+        method,
+        url,
+    )
+    return status
+
+
+def absent(driver: Any, css: str, scope: Any = None) -> bool:
+    """No element matches ``css`` on the page as loaded, or in ``scope`` (an element) when given,
+    without waiting for one to appear."""
     from selenium.webdriver.common.by import By
 
     driver.implicitly_wait(0)
     try:
-        return not driver.find_elements(By.CSS_SELECTOR, css)
+        return not (scope or driver).find_elements(By.CSS_SELECTOR, css)
     finally:
         driver.implicitly_wait(IMPLICIT_WAIT)
 
@@ -251,11 +318,15 @@ def test_the_job_admin_in_the_browser(live_server, browser, django_user_model, f
     assert LogEntry.objects.get(object_id=jobs["pending"]).get_change_message() == "Cancelled (was pending, never run)"
 
 
-def test_a_view_only_staff_user_reads_but_cannot_retry_or_cancel(live_server, browser, django_user_model, failed_job):
+def test_a_view_only_staff_user_reads_but_cannot_retry_or_cancel(
+    live_server, browser, django_user_model, failed_job, settings
+):
     from selenium.webdriver.common.by import By
 
+    settings.JOBS = {**settings.JOBS, "BACKENDS": {"default": settings.JOBS["BACKENDS"]["default"]}}
     user = django_user_model.objects.create_user("viewer", "viewer@example.com", PASSWORD, is_staff=True)
     user.user_permissions.set(Permission.objects.filter(content_type__app_label="django_jobs", codename="view_job"))
+    worker = Worker.objects.create(id="web-1:4242:a1b2", hostname="web-1", pid=4242, backend="default")
     job_id = failed_job(runs=2)
     pending = scripted.dispatch(action="ok")
 
@@ -274,15 +345,273 @@ def test_a_view_only_staff_user_reads_but_cannot_retry_or_cancel(live_server, br
     screenshot(browser, "view-only-job")
 
     # A POST to the retry URL anyway, with the session and its CSRF token, is refused.
-    status = browser.execute_async_script(
-        """
-        const done = arguments[arguments.length - 1];
-        const token = document.querySelector("[name=csrfmiddlewaretoken]").value;
-        fetch(arguments[0], {method: "POST", headers: {"X-CSRFToken": token}, credentials: "same-origin"})
-            .then(response => done(response.status));
-        """,
-        f"{live_server.url}{reverse('admin:django_jobs_job_retry', args=[job_id])}",
+    assert (
+        status_of(browser, "POST", f"{live_server.url}{reverse('admin:django_jobs_job_retry', args=[job_id])}") == 403
     )
-    assert status == 403
     assert Job.objects.get(pk=job_id).status == "failed"
     assert not LogEntry.objects.exists()
+
+    # The dashboard is theirs to read (viewing jobs is enough) ...
+    open_from_index(browser, live_server, "jobdashboard")
+    assert [h1.text for h1 in browser.find_elements(By.TAG_NAME, "h1")] == ["Jobs dashboard"]
+    assert [row[:7] for row in table(browser, "#jobs-queues tbody tr") if row[1] == "default"] == [
+        ["default", "default", "1", "0", "0", "1", "0"]
+    ]
+    screenshot(browser, "view-only-dashboard")
+
+    # ... the workers panel is not: the index does not list it and its URL is refused.
+    workers_url = f"{live_server.url}{reverse('admin:django_jobs_worker_changelist')}"
+    browser.get(f"{live_server.url}{reverse('admin:index')}")
+    assert absent(browser, "a[href$='/django_jobs/worker/']")
+    assert status_of(browser, "GET", workers_url) == 403
+
+    # With view_worker they read it, with nothing to select or delete, and a delete is refused.
+    user.user_permissions.add(Permission.objects.get(content_type__app_label="django_jobs", codename="view_worker"))
+    open_from_index(browser, live_server, "worker")
+    assert [row.text for row in browser.find_elements(By.CSS_SELECTOR, "#result_list th.field-host")] == [
+        "web-1\npid 4242"
+    ]
+    assert absent(browser, "[name=action]") and absent(browser, "[name=_selected_action]")
+    delete_url = f"{live_server.url}{reverse('admin:django_jobs_worker_delete', args=[worker.pk])}"
+    assert status_of(browser, "POST", delete_url) == 403
+    assert Worker.objects.filter(pk=worker.pk).exists()
+
+
+# -- The dashboard and the workers panel --------------------------------------------------------
+
+SMTP_ERROR = "SMTPServerDisconnected: Connection unexpectedly closed\nTraceback (most recent call last):\n  ..."
+
+
+def fail_for_good(queue: str) -> str:
+    """A ``scripted`` job on ``queue`` that the worker ran once and that failed for good."""
+    job_id = scripted.using(name="sync stock levels", queue=queue, max_retries=0).dispatch(action="raise")
+    assert QueueWorker("default", [queue]).process_once().job_id == job_id
+    return job_id
+
+
+def dashboard_jobs() -> dict[str, list[str]]:
+    """Jobs of the database backend on three queues, and one waiting on Redis; by what they show.
+
+    default: one in progress, one pending, one failed, one cancelled; emails: three pending,
+    one delayed; other: three failed (two ``scripted``, one ``remember``). Four failures in all:
+    three of ``scripted``, one of ``remember``.
+    """
+    jobs: dict[str, list[str]] = {"other_failed": [], "scripted_failed": []}
+    for queue in ("default", "other", "other"):
+        job_id = fail_for_good(queue)
+        jobs["scripted_failed"].append(job_id)
+        if queue == "other":
+            jobs["other_failed"].append(job_id)
+    jobs["in_progress"] = [scripted.using(name="import catalogue").dispatch(action="ok")]
+    assert Jobs.backend("default").fetch("default").token == jobs["in_progress"][0]  # a worker holds it
+    jobs["pending"] = [scripted.using(name="nightly report").dispatch(action="ok")]
+    for name in ("welcome mail", "password reset", "order receipt"):
+        jobs["pending"].append(scripted.using(name=name, queue="emails").dispatch(action="ok"))
+    jobs["delayed"] = [scripted.using(name="weekly digest", queue="emails", delay=3600).dispatch(action="ok")]
+    cancelled = scripted.using(name="old newsletter").dispatch(action="ok")
+    operations.cancel_jobs(Job.objects.filter(pk=cancelled), "Cancelled by boss in the admin", "admin:boss")
+    mail = remember.using(name="send invoice", queue="other").dispatch()
+    Job.objects.filter(pk=mail).update(status="failed", attempts=1, last_error=SMTP_ERROR, finished_at=timezone.now())
+    jobs["other_failed"].append(mail)
+    jobs["redis"] = [scripted.using(backend="redis", name="resize images", queue="emails").dispatch(action="ok")]
+    return jobs
+
+
+def dashboard_throughput() -> dict[str, int]:
+    """Per-minute counts of two worker processes (database and Redis) over the last 24 hours, a
+    few minutes each hour, busier by day; returns the 24 hours' completed and failed totals."""
+    minute = timezone.now().replace(second=0, microsecond=0)
+    rows = []
+    for hours_ago in range(24):
+        for backend, worker, share in (("default", "web-1:4242:a1b2", 3), ("redis", "web-2:917:c3d4", 2)):
+            for at in (0, 20, 40):
+                busy = 6 + (hours_ago * 5 + at) % 11
+                rows.append(
+                    Throughput(
+                        minute=minute - timedelta(hours=hours_ago, minutes=at),
+                        worker=worker,
+                        backend=backend,
+                        queue="emails" if at == 20 else "default",
+                        completed=share * busy,
+                        retried=busy % 3,
+                        failed=1 if (hours_ago + at) % 7 == 0 else 0,
+                    )
+                )
+    Throughput.objects.bulk_create(rows)
+    return {"completed": sum(row.completed for row in rows), "failed": sum(row.failed for row in rows)}
+
+
+def test_the_dashboard_in_the_browser(live_server, browser, django_user_model, settings, redis_up):
+    from selenium.webdriver.common.by import By
+
+    shared = settings.JOBS["BACKENDS"]
+    settings.JOBS = {**settings.JOBS, "BACKENDS": {name: shared[name] for name in ("default", "redis")}}
+    django_user_model.objects.create_superuser("boss", "boss@example.com", PASSWORD)
+    jobs = dashboard_jobs()
+    day = dashboard_throughput()
+
+    log_in(browser, live_server, "boss")
+    open_from_index(browser, live_server, "jobdashboard")
+
+    # One heading, and breadcrumbs back to the index.
+    assert [h1.text for h1 in browser.find_elements(By.TAG_NAME, "h1")] == ["Jobs dashboard"]
+    crumbs = browser.find_elements(By.CSS_SELECTOR, ".breadcrumbs li")
+    assert crumbs[-1].text == "Dashboard"
+    home = crumbs[0].find_element(By.TAG_NAME, "a").get_attribute("href")
+    assert home == f"{live_server.url}{reverse('admin:index')}"
+
+    # The queue table: each backend and queue, its counts as seeded.
+    counts = {(row[0], row[1]): row[2:7] for row in table(browser, "#jobs-queues tbody tr")}
+    assert counts == {
+        ("default", "default"): ["1", "0", "1", "1", "1"],
+        ("default", "emails"): ["3", "1", "0", "0", "0"],
+        ("default", "other"): ["0", "0", "0", "3", "0"],
+        ("redis", "default"): ["0", "0", "0", "0", "0"],
+        ("redis", "emails"): ["1", "0", "0", "0", "0"],
+        ("redis", "other"): ["0", "0", "0", "0", "0"],
+    }
+
+    # The throughput table's total over the last 24 hours: the seeded counts.
+    total = table(browser, "#jobs-throughput tbody tr")[-1]
+    rate = 100 * day["failed"] / (day["completed"] + day["failed"])
+    assert total[0] == "All backends"
+    assert (total[6], total[8], total[10]) == (str(day["completed"]), str(day["failed"]), f"{rate:.1f} %")
+
+    # Both charts, their axes labelled, with a column or bar that holds jobs.
+    hourly = [text.text for text in browser.find_elements(By.CSS_SELECTOR, "svg#jobs-hourly text")]
+    assert {"hour (UTC)", "jobs per hour", "completed", "failed"} <= set(hourly)
+    depth = [text.text for text in browser.find_elements(By.CSS_SELECTOR, "svg#jobs-depth text")]
+    assert {"jobs", "pending", "delayed", "in progress", "default / emails", "redis / emails"} <= set(depth)
+    for chart in ("jobs-hourly", "jobs-depth"):
+        assert browser.find_elements(By.CSS_SELECTOR, f"svg#{chart} g > rect"), f"{chart} draws no column or bar"
+
+    # The handlers failing most, the most failures first.
+    handlers = table(browser, "#jobs-failing tbody tr")
+    scripted_handler, remember_handler = (
+        Job.objects.get(pk=jobs[key][-1]).handler for key in ("scripted_failed", "other_failed")
+    )
+    assert [(row[0], row[1]) for row in handlers] == [(scripted_handler, "3"), (remember_handler, "1")]
+    assert handlers[1][3] == SMTP_ERROR.splitlines()[0]
+
+    assert no_horizontal_scroll(browser)
+    for_docs(screenshot(browser, "dashboard"), "admin-dashboard")
+
+    # A failed count opens the job list, filtered to those very jobs.
+    other = browser.find_element(By.XPATH, "//*[@id='jobs-queues']//tr[td[1]='default' and td[2]='other']")
+    other.find_element(By.CSS_SELECTOR, "td:nth-child(6) a").click()
+    assert selected_filters(browser)["status"] == "Failed"
+    assert listed_jobs(browser) == set(jobs["other_failed"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="the dashboard links with queue__exact, backend__exact and handler__exact; the job list's "
+    "queue, backend and handler filters read queue=, backend= and handler=, so they show 'All'",
+)
+def test_the_dashboards_links_select_their_filters_in_the_job_list(live_server, browser, django_user_model, settings):
+    from selenium.webdriver.common.by import By
+
+    settings.JOBS = {**settings.JOBS, "BACKENDS": {"default": settings.JOBS["BACKENDS"]["default"]}}
+    django_user_model.objects.create_superuser("boss", "boss@example.com", PASSWORD)
+    failed = fail_for_good("other")
+    elsewhere = fail_for_good("default")  # the same handler, on another queue
+
+    log_in(browser, live_server, "boss")
+    open_from_index(browser, live_server, "jobdashboard")
+    other = browser.find_element(By.XPATH, "//*[@id='jobs-queues']//tr[td[1]='default' and td[2]='other']")
+    other.find_element(By.CSS_SELECTOR, "td:nth-child(6) a").click()
+    assert listed_jobs(browser) == {failed}
+    picked = {"status": "Failed", "queue": "other", "handler": "All", "backend": "default"}
+    assert selected_filters(browser) == picked
+
+    browser.back()
+    browser.find_element(By.CSS_SELECTOR, "#jobs-failing tbody a").click()
+    assert listed_jobs(browser) == {failed, elsewhere}
+    picked = {"status": "Failed", "queue": "All", "handler": Job.objects.get(pk=failed).handler, "backend": "All"}
+    assert selected_filters(browser) == picked
+
+
+def test_the_workers_panel_in_the_browser(live_server, browser, django_user_model):
+    from selenium.webdriver.common.by import By
+
+    django_user_model.objects.create_superuser("boss", "boss@example.com", PASSWORD)
+    now = timezone.now()
+    running_job = scripted.using(name="import catalogue").dispatch(action="ok")
+    assert Jobs.backend("default").fetch("default").token == running_job
+    workers = {
+        "running": Worker.objects.create(
+            id="web-1:4242:a1b2",
+            hostname="web-1",
+            pid=4242,
+            backend="default",
+            queues=["default", "emails"],
+            started_at=now - timedelta(hours=3, minutes=12),
+            last_seen=now - timedelta(seconds=2),
+            current_job=running_job,
+            current_job_started=now - timedelta(seconds=42),
+            processed=1873,
+        ),
+        "idle": Worker.objects.create(
+            id="web-2:917:c3d4",
+            hostname="web-2",
+            pid=917,
+            backend="redis",
+            queues=["emails"],
+            started_at=now - timedelta(hours=1, minutes=5),
+            last_seen=now - timedelta(seconds=4),
+            processed=412,
+        ),
+        "stopped": Worker.objects.create(
+            id="web-1:3101:e5f6",
+            hostname="web-1",
+            pid=3101,
+            backend="default",
+            queues=["other"],
+            started_at=now - timedelta(days=1, hours=2),
+            last_seen=now - timedelta(hours=3, minutes=13),
+            stopped_at=now - timedelta(hours=3, minutes=13),
+            processed=20566,
+        ),
+        # Killed mid-job: its job (on Redis) has no Job row, so its id is shown unlinked.
+        "dead": Worker.objects.create(
+            id="batch-7:30211:0a9b",
+            hostname="batch-7",
+            pid=30211,
+            backend="redis",
+            queues=["default", "other"],
+            started_at=now - timedelta(hours=6),
+            last_seen=now - timedelta(minutes=14),
+            current_job="5e0c2a7d41b94f3b8c6d",
+            current_job_started=now - timedelta(minutes=15),
+            processed=96,
+        ),
+    }
+
+    log_in(browser, live_server, "boss")
+    open_from_index(browser, live_server, "worker")
+
+    def badges() -> dict[str, str]:
+        return {
+            row.find_element(By.CSS_SELECTOR, "th.field-host").text.split("\n")[1]: row.find_element(
+                By.CSS_SELECTOR, ".worker-state"
+            ).text
+            for row in browser.find_elements(By.CSS_SELECTOR, "#result_list tbody tr")
+        }
+
+    assert badges() == {f"pid {worker.pid}": state.replace("idle", "running") for state, worker in workers.items()}
+    dead = browser.find_element(By.XPATH, "//*[@id='result_list']//tr[.//*[contains(@class, 'state-dead')]]")
+    assert absent(browser, "td.field-job a", scope=dead)
+    assert dead.find_element(By.CSS_SELECTOR, "td.field-job code").get_attribute("title") == "5e0c2a7d41b94f3b8c6d"
+    assert no_horizontal_scroll(browser)
+    for_docs(screenshot(browser, "workers"), "admin-workers")
+
+    # The state filter: "dead" lists the dead worker alone.
+    browser.find_element(By.CSS_SELECTOR, "#changelist-filter a[href*='state=dead']").click()
+    assert badges() == {"pid 30211": "dead"}
+
+    # The running worker's job links to its page.
+    browser.back()
+    browser.find_element(By.CSS_SELECTOR, "td.field-job a").click()
+    assert browser.current_url == f"{live_server.url}{reverse('admin:django_jobs_job_change', args=[running_job])}"
+    assert browser.find_element(By.CSS_SELECTOR, ".field-status_badge .job-status").text == "In progress"
