@@ -64,8 +64,8 @@ class QueueRow:
         """The job list's lookups listing the jobs counted in ``column`` (one of ``linked``)."""
         lookups = {
             "status__exact": COLUMN_STATUS[column],
-            "queue__exact": self.queue,
-            "backend__exact": self.backend,
+            "queue": self.queue,
+            "backend": self.backend,
         }
         if column == "pending":
             lookups["available_at__lte"] = self.checked_at.isoformat()

@@ -123,12 +123,11 @@ def dashboard_context(now: datetime) -> dict[str, Any]:
             (
                 entry,
                 first_line(entry.last_error or ""),
-                changelist_url({"handler__exact": entry.handler, "status__exact": str(JobStatus.FAILED)}),
+                changelist_url({"handler": entry.handler, "status__exact": str(JobStatus.FAILED)}),
             )
             for entry in handlers
         ],
         "jobs_url": reverse("admin:django_jobs_job_changelist"),
-        "workers_url": reverse("admin:django_jobs_worker_changelist"),
     }
 
 
@@ -158,6 +157,12 @@ class JobDashboardAdmin(admin.ModelAdmin):
             "title": "Jobs dashboard",
             "opts": self.model._meta,
             **dashboard_context(timezone.now()),
+            # The workers panel needs a permission of its own: no link that would answer 403.
+            "workers_url": (
+                reverse("admin:django_jobs_worker_changelist")
+                if request.user.has_perm("django_jobs.view_worker")
+                else None
+            ),
             **(extra_context or {}),
         }
         return TemplateResponse(request, "admin/django_jobs/jobdashboard/dashboard.html", context)

@@ -89,7 +89,7 @@ class WorkerAdmin(admin.ModelAdmin):
         return False
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
-        return super().changelist_view(request, {"workers_note": NOTE, **(extra_context or {})})
+        return super().changelist_view(request, {"title": "Workers", "workers_note": NOTE, **(extra_context or {})})
 
     def get_changelist_instance(self, request: HttpRequest) -> ChangeList:
         """The page's workers, each told the page's time and its job's page (one query for all)."""

@@ -503,12 +503,6 @@ def test_the_dashboard_in_the_browser(live_server, browser, django_user_model, s
     assert listed_jobs(browser) == set(jobs["other_failed"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the dashboard links with queue__exact, backend__exact and handler__exact; the job list's "
-    "queue, backend and handler filters read queue=, backend= and handler=, so they show 'All'",
-)
 def test_the_dashboards_links_select_their_filters_in_the_job_list(live_server, browser, django_user_model, settings):
     from selenium.webdriver.common.by import By
 
