@@ -197,7 +197,10 @@ def test_retry_by_ids():
     done = finished("ok")
     err = StringIO()
     assert run("jobs_retry", first, second, done, "nope", stderr=err) == "retried 2 job(s)\n"
-    assert err.getvalue().splitlines() == ["nope: no such job", f"{done}: not failed or cancelled (it is completed); left alone"]
+    assert err.getvalue().splitlines() == [
+        "nope: no such job",
+        f"{done}: not failed or cancelled (it is completed); left alone",
+    ]
     for job_id in (first, second):
         job = Job.objects.get(pk=job_id)
         assert (job.status, job.attempts, job.last_error) == ("pending", 0, "")
