@@ -85,9 +85,31 @@ def recover_claims(backend: QueueBackend | str | None, queue: str, owner_token: 
     return Reaper(target, [queue]).reap_once()
 
 
-def lost_run(backend: QueueBackend, job_id: str, queue: str, attempt: int, error: str, *, failed: bool) -> None:
-    """A lost run was recovered (``failed``: it had no retries left): it enters the job's
-    attempt history and ``job_reaped`` is sent."""
+def lost_run(
+    backend: QueueBackend,
+    job_id: str,
+    queue: str,
+    attempt: int,
+    error: str,
+    *,
+    retry_in: float | None,
+    handler: str | None = None,
+) -> None:
+    """A lost run was recovered: it waits ``retry_in`` seconds for its next run, or (``None``)
+    it had no retries left and failed. It is logged with the job's fields, enters the job's
+    attempt history, and ``job_reaped`` is sent."""
+    failed = retry_in is None
+    extra = log_fields(job_id, queue, handler, attempt, "failed" if failed else "retrying")
+    if failed:
+        logger.error(
+            "job %s lost, failed permanently after %d run(s): %s",
+            job_id,
+            attempt,
+            error,
+            extra={**extra, "last_error": error},
+        )
+    else:
+        logger.warning("job %s lost, retrying in %gs: %s", job_id, retry_in, error, extra=extra)
     history.record(
         job_id,
         attempt,
@@ -127,25 +149,15 @@ def settle_lost_runs(backend: QueueBackend, lease: Lease, lost: int, how: str) -
     delay = after_lost_run(env.attempts - 1, env.max_retries, env.options)
     error = f"WorkerLost: {how} (worker crashed or stalled)"
     # The delivery just before this one was lost (earlier ones were seen by earlier deliveries).
-    lost_run(backend, env.id, lease.queue, env.attempts, error, failed=delay is None)
+    lost_run(backend, env.id, lease.queue, env.attempts, error, retry_in=delay, handler=env.handler)
     if delay is not None and delay <= 0:
         return False
-    extra = log_fields(env.id, lease.queue, env.handler, env.attempts, "failed" if delay is None else "retrying")
     try:
         if delay is None:
             backend.abandon(lease, error, count_run=False)
             metrics.increment("jobs_failed_permanently", queue=lease.queue)
-            logger.error(
-                "job %s (%s) failed permanently after %d run(s): %s",
-                env.id,
-                env.name or env.handler,
-                env.attempts,
-                error,
-                extra={**extra, "last_error": error},
-            )
         else:
             backend.nack(lease, delay, error=error, count_run=False)
-            logger.warning("job %s lost, retrying in %gs: %s", env.id, delay, error, extra=extra)
     except LeaseLost:
         pass  # another delivery of it is being handled elsewhere
     return True

@@ -539,7 +539,7 @@ class DatabaseBackend(QueueBackend):
                 )
             if done:  # outside the savepoint: the history's own errors cannot undo the reap
                 reaped += 1
-                lost_run(self, job.pk, job.queue, job.attempts + 1, error, failed=delay is None)
+                lost_run(self, job.pk, job.queue, job.attempts + 1, error, retry_in=delay, handler=job.handler)
         return reaped
 
     def lose_claims(self, queue: str, owner_token: str, running: str | None) -> None:

@@ -321,12 +321,13 @@ class RedisBackend(QueueBackend):
                     # (a lost run) with the global policy, and the worker rejects it when fetched.
                     delay = after_lost_run(env.attempts, env.max_retries, trusted_options(env, queue))
                     action = "fail" if delay is None else "retry"
+                    retry_in = delay
                     due = now + int((delay or 0) * 1000)  # same clock as `now`: no delay means ready now
                     new_body = env.next_attempt().to_bytes()
                 done = self._run("reap", queue, job_id, owner or b"", now, action, new_body, due, error)
                 reaped += done != 0
                 if done == 1 and env is not None:  # a lost run (2: claimed ahead, handed back uncounted)
-                    lost_run(self, env.id, queue, env.attempts + 1, error, failed=action == "fail")
+                    lost_run(self, env.id, queue, env.attempts + 1, error, retry_in=retry_in, handler=env.handler)
                     if action == "fail":
                         self.record_failure(env, error, env.attempts + 1, queue)
         return reaped

@@ -192,6 +192,26 @@ def test_the_reapers_record_says_how_many_leases_of_which_queue_were_lost(captur
     assert fields(record) == {"job_id": None, "queue": "default", "handler": None, "attempt": None, "outcome": "lost"}
 
 
+@pytest.mark.parametrize(
+    ("max_retries", "outcome", "level", "text"),
+    [(1, "retrying", logging.WARNING, "lost, retrying in "), (0, "failed", logging.ERROR, "lost, failed permanently")],
+)
+def test_each_job_the_reaper_recovers_is_logged_with_its_fields(captured, max_retries, outcome, level, text):
+    lease = expired_lease(max_retries=max_retries)
+
+    assert Reaper("default", ["default"]).reap_once() == 1
+
+    [record] = captured.saying(text)
+    assert record.levelno == level and lease.envelope.id in record.getMessage()
+    assert fields(record) == {
+        "job_id": lease.envelope.id,
+        "queue": "default",
+        "handler": HANDLER,
+        "attempt": 1,
+        "outcome": outcome,
+    }
+
+
 def test_the_heartbeat_of_a_reaped_lease_logs_it_lost(captured):
     lease = expired_lease(max_retries=1)
     Reaper("default", ["default"]).reap_once()
@@ -239,7 +259,9 @@ def test_a_brokers_lost_run_is_logged_retrying_or_failed(
 
     assert Jobs.backend("servicebus").fetch("default") is None  # settled at fetch: never handed out
 
-    [record] = captured.about(env.id)
+    records = captured.about(env.id)
+    assert len(records) == lost  # each lost run is logged once, when the broker's count shows it
+    record = records[-1]
     assert record.levelno == level and text in record.getMessage()
     assert fields(record) == {
         "job_id": env.id,
