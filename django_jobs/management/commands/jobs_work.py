@@ -81,13 +81,19 @@ class Command(BaseCommand):
         )
         pool.install_signal_handlers()
         self.report.started(backend, queues, opts["concurrency"])
-        self.warn_if_not_persistent(get_backend(backend))  # pool.run() closes it before forking
+        self.warn_if_not_persistent(backend)
         if pool.run():
             raise CommandError("worker processes keep dying at start-up (see the errors logged above); giving up")
 
-    def warn_if_not_persistent(self, backend: QueueBackend) -> None:
+    def warn_if_not_persistent(self, backend: QueueBackend | str) -> None:
         """A ``WARNING:`` line under the start line when a restart of the backend's server
-        would lose every queued job (Redis without AOF or RDB save points)."""
+        would lose every queued job (Redis without AOF or RDB save points). A backend that
+        cannot be built here is left to the worker processes, which report why."""
+        if isinstance(backend, str):
+            try:
+                backend = get_backend(backend)  # pool.run() closes it before forking
+            except Exception:  # noqa: BLE001 - not this line's to report
+                return
         warning = health.persistence_warning(backend)
         if warning is not None:
             self.report.warning(warning)
