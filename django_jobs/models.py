@@ -223,6 +223,63 @@ class Throughput(models.Model):
         return f"{self.minute:%Y-%m-%d %H:%M} {self.backend}/{self.queue} ({self.worker})"
 
 
+class Schedule(models.Model):
+    """One entry of ``JOBS["SCHEDULE"]``, as the schedulers last synced it from the settings.
+
+    The settings are the source of truth: each scheduler writes the entries it reads at start,
+    and disables (never deletes) the rows of entries no longer in the settings, so their ticks
+    stay in the history. ``next_run`` and ``last_run`` are for people (the admin); which ticks
+    are due is worked out from the entry and its ``ScheduleTick`` rows.
+    """
+
+    name = models.CharField(primary_key=True, max_length=200)
+    definition = models.JSONField(default=dict, help_text="The entry as written in JOBS['SCHEDULE'].")
+    description = models.CharField(max_length=255, blank=True, help_text="The schedule in words.")
+    time_zone = models.CharField(max_length=64, blank=True, help_text="The zone its times are read in.")
+    enabled = models.BooleanField(default=True)
+    in_settings = models.BooleanField(default=True, help_text="False once the entry left JOBS['SCHEDULE'].")
+    next_run = models.DateTimeField(null=True, blank=True)
+    last_run = models.DateTimeField(null=True, blank=True, help_text="The latest tick dispatched.")
+    last_job_id = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return str(self.name)
+
+
+class ScheduleTick(models.Model):
+    """One dispatch of a schedule entry: the tick it was due at and the job it became.
+
+    The unique (schedule, tick) pair is what makes a tick run exactly once across any number of
+    schedulers: each claims a tick by inserting its row, in the transaction that dispatches it.
+    ``dispatched_at`` stays empty until the job reached its backend (a broker's push happens after
+    the commit), so a tick claimed by a scheduler that crashed before the push is sent again.
+    """
+
+    schedule = models.ForeignKey(Schedule, on_delete=models.CASCADE, related_name="ticks")
+    tick = models.DateTimeField(help_text="When the entry was due (for a manual run: when it was asked).")
+    job_id = models.CharField(max_length=64)
+    manual = models.BooleanField(default=False, help_text="Run now from the admin, not a tick of the schedule.")
+    claimed_at = models.DateTimeField(default=timezone.now)
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-tick"]
+        constraints = [models.UniqueConstraint(fields=["schedule", "tick"], name="django_jobs_schedule_tick_uniq")]
+        indexes = [
+            models.Index(
+                fields=["claimed_at"], condition=Q(dispatched_at__isnull=True), name="django_jobs_tick_pending_idx"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.schedule_id} @ {self.tick:%Y-%m-%d %H:%M:%S%z}"
+
+
 class JobDashboard(Job):
     """No table of its own: puts the jobs dashboard on the admin index, beside Jobs and Workers."""
 
