@@ -31,7 +31,7 @@ Unix epoch, the same in every zone and on every scheduler.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
@@ -65,8 +65,9 @@ class Entry:
         """The first tick strictly after ``after`` (an aware datetime), as an aware UTC datetime."""
         raise NotImplementedError
 
-    def ticks_between(self, after: datetime, until: datetime) -> Iterator[datetime]:
-        """Every tick ``t`` with ``after < t <= until`` (aware), oldest first, as aware UTC datetimes."""
+    def previous_tick(self, at: datetime) -> datetime:
+        """The latest tick at or before ``at`` (aware), as an aware UTC datetime. Cheap however
+        far back the previous dispatch was: a scheduler asks only for this one tick."""
         raise NotImplementedError
 
     def describe(self) -> str:
