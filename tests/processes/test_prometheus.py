@@ -37,6 +37,7 @@ import sys
 from tests import settings
 settings.JOBS["METRICS_COLLECTOR"] = "django_jobs.contrib.prometheus.PrometheusCollector"
 settings.JOBS["BACKENDS"] = {name: settings.JOBS["BACKENDS"][name] for name in ("default", "pg")}
+settings.TASKS = {alias: settings.TASKS[alias] for alias in ("default", "pg")}  # none on a backend left out
 """
 MANAGE = (
     CONFIGURE
