@@ -33,6 +33,7 @@ COUNTERS = (
     "jobs_dlq_failed",
     "jobs_signal_errors",
     "jobs_history_errors",
+    "jobs_scheduled",
 )
 HISTOGRAMS = ("jobs_exec_seconds", "jobs_wait_seconds", "jobs_retry_delay_seconds")
 

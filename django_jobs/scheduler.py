@@ -1,0 +1,360 @@
+"""The scheduler: dispatches the jobs of ``JOBS["SCHEDULE"]`` when they fall due.
+
+Each (entry, tick) is dispatched exactly once however many schedulers run: a scheduler claims a
+tick by inserting its ``ScheduleTick`` row, whose (schedule, tick) pair is unique, in the
+transaction that dispatches the job; the loser of a race gets an ``IntegrityError`` and moves on.
+
+Which tick is due follows from the entry and its latest scheduled tick (for an entry that never
+ran, from when it was first synced): only the latest tick at or before now can be due, so a pass
+costs the same after a minute or a month of downtime. ``missed="skip"`` runs that tick only
+within :data:`GRACE` of it; ``missed="catch_up_once"`` runs it however late.
+
+A database backend's job commits with its claim. A broker's job is pushed when the claim
+commits, and ``dispatched_at`` is set once the push returned: a tick claimed but never marked
+(its scheduler died between the commit and the push, or the push failed) is dispatched again
+after :data:`REDISPATCH_AFTER`, under the same idempotency key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from functools import partial
+
+from django.db import IntegrityError, connections, router, transaction
+from django.db.models import Max, Q
+from django.utils import timezone
+
+from . import conf, registry, schedules
+from .api import JobBuilder, JobFunction, Jobs
+from .backends import get_backend
+from .backends.base import QueueBackend, _atomic_alias
+from .exceptions import DispatchCancelled, HandlerNotAllowed
+from .logfields import log_fields
+from .metrics import get_collector
+from .models import Schedule, ScheduleTick
+from .schedules import Entry, ScheduleError
+
+logger = logging.getLogger("django_jobs.scheduler")
+
+# A tick missed by more than this (or 2 poll intervals, if longer) is skipped by missed="skip".
+GRACE = timedelta(seconds=60)
+# Seconds between passes at most (a pass also runs as soon as the next tick is due).
+POLL = 1.0
+# A tick claimed this long ago and still not marked dispatched is dispatched again.
+REDISPATCH_AFTER = timedelta(seconds=30)
+# The longest wait between passes while they fail (the database is unreachable).
+MAX_BACKOFF = 30.0
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """A tick that became a job."""
+
+    name: str
+    tick: datetime
+    job_id: str
+    queue: str
+    handler: str
+    manual: bool = False
+
+    def __str__(self) -> str:
+        when = "run now" if self.manual else f"tick {self.tick.isoformat()}"
+        return f"{self.name} ({when}): job {self.job_id} {self.handler} queue={self.queue}"
+
+
+def idempotency_key(name: str, tick: datetime) -> str:
+    """The key every dispatch of ``name``'s ``tick`` carries, so a tick sent twice runs once."""
+    return f"schedule:{name}:{tick.astimezone(UTC).isoformat()}"
+
+
+def job_builder(entry: Entry, tick: datetime) -> JobBuilder:
+    """The job ``entry`` dispatches for ``tick``: its ``@job`` called with its args and kwargs,
+    or its ``JOBS["HANDLERS"]`` key with its payload; with its queue, backend and priority."""
+    function = registry.registered().get(entry.job)
+    if isinstance(function, JobFunction):
+        builder = function.builder(*entry.args, **entry.kwargs)
+    elif conf.handlers().get(entry.job):
+        builder = Jobs.define(entry.job, entry.payload)
+    else:
+        raise HandlerNotAllowed(f"unknown job {entry.job!r}: register it with @job or JOBS['HANDLERS']")
+    builder.options(queue=entry.queue, backend=entry.backend, priority=entry.priority)
+    return builder.idempotency_key(idempotency_key(entry.name, tick))
+
+
+class Scheduler:
+    """Dispatches the due ticks of ``entries`` (default: ``JOBS["SCHEDULE"]``).
+
+    ``clock`` gives the current time (aware); ``poll`` is the longest wait between passes of
+    :meth:`run`; ``on_dispatch`` is called with each :class:`Dispatched` tick.
+    """
+
+    def __init__(
+        self,
+        entries: Mapping[str, Entry] | None = None,
+        *,
+        clock: Callable[[], datetime] = timezone.now,
+        poll: float = POLL,
+        on_dispatch: Callable[[Dispatched], object] | None = None,
+    ) -> None:
+        registry.autodiscover()  # the @job functions an entry may name
+        self.entries = dict(schedules.entries() if entries is None else entries)
+        self.clock = clock
+        self.poll = poll
+        self.grace = max(GRACE, timedelta(seconds=2 * poll))
+        self.on_dispatch = on_dispatch
+        self.alias: str = router.db_for_write(ScheduleTick)
+        self.metrics = get_collector()
+        self.dispatched = 0  # ticks this scheduler dispatched
+        self._synced = False
+        # Entry name -> the tick whose failure was logged: a retry failing again logs at DEBUG.
+        self._failing: dict[str, datetime | None] = {}
+
+    # -- the settings, in the database --
+
+    def sync(self, now: datetime | None = None) -> None:
+        """Write one ``Schedule`` row per entry; rows of entries no longer in the settings are
+        disabled, never deleted (their ticks stay). A new row's ``created_at`` is now: an entry
+        runs only for ticks after it was first synced."""
+        now = now or self.clock()
+        rows = Schedule.objects.using(self.alias)
+        for name, entry in self.entries.items():
+            values = {
+                "definition": entry.as_definition(),
+                "description": entry.describe(),
+                "time_zone": entry.timezone,
+                "enabled": entry.enabled,
+                "in_settings": True,
+                "next_run": entry.next_tick(now) if entry.enabled else None,
+                "updated_at": now,
+            }
+            rows.update_or_create(name=name, defaults=values, create_defaults={**values, "created_at": now})
+        removed = rows.exclude(name__in=list(self.entries)).filter(Q(enabled=True) | Q(in_settings=True))
+        removed.update(enabled=False, in_settings=False, next_run=None, updated_at=now)
+        self._synced = True
+
+    # -- one pass --
+
+    def run_pass(self, now: datetime | None = None) -> list[Dispatched]:
+        """Dispatch every tick due at ``now`` (default: the clock's time), after the ticks left
+        undispatched by a crashed scheduler. One entry's failure is logged, never raised: the
+        others still run. Errors of the passes' own queries (the database is down) propagate."""
+        now = now or self.clock()
+        if not self._synced:
+            self.sync(now)
+        done = self._redispatch(now)
+        enabled = [name for name, entry in self.entries.items() if entry.enabled]
+        rows = Schedule.objects.using(self.alias).filter(name__in=enabled, enabled=True)
+        ticks = ScheduleTick.objects.using(self.alias).filter(schedule_id__in=enabled, manual=False)
+        latest = dict(ticks.values("schedule_id").annotate(latest=Max("tick")).values_list("schedule_id", "latest"))
+        for row in rows:
+            entry = self.entries[row.name]
+            tick = None
+            try:
+                tick = self._due(entry, latest.get(row.name) or row.created_at, now)
+                if tick is None:
+                    self._refresh_next_run(row, entry, now)
+                    continue
+                dispatched = self._dispatch(entry, tick, now)
+            except Exception as exc:  # noqa: BLE001 - one entry's failure must not stop the others
+                self._failed(entry, tick, exc)
+                continue
+            self._failing.pop(entry.name, None)
+            if dispatched is not None:
+                done.append(dispatched)
+        return done
+
+    def _due(self, entry: Entry, baseline: datetime, now: datetime) -> datetime | None:
+        """The tick to dispatch now, if any: the latest one, when it falls after ``baseline``
+        and, for ``missed="skip"``, within the grace period."""
+        latest = entry.previous_tick(now)
+        if latest <= baseline:
+            return None
+        if entry.missed == "skip" and now - latest > self.grace:
+            return None
+        return latest
+
+    def _refresh_next_run(self, row: Schedule, entry: Entry, now: datetime) -> None:
+        """Keep ``next_run`` (for people) ahead of now when a tick was skipped."""
+        if row.next_run is None or row.next_run <= now:
+            Schedule.objects.using(self.alias).filter(name=row.name).update(next_run=entry.next_tick(now))
+
+    def _redispatch(self, now: datetime) -> list[Dispatched]:
+        """Dispatch again the ticks claimed more than ``REDISPATCH_AFTER`` ago and never marked
+        dispatched (their scheduler died before its push, or the push failed)."""
+        stale = ScheduleTick.objects.using(self.alias).filter(
+            dispatched_at__isnull=True, claimed_at__lt=now - REDISPATCH_AFTER, schedule_id__in=list(self.entries)
+        )
+        done = []
+        for row in stale.order_by("claimed_at"):
+            entry = self.entries[row.schedule_id]
+            try:
+                dispatched = self._dispatch(entry, row.tick, now, manual=row.manual, stale=row)
+            except Exception as exc:  # noqa: BLE001 - one entry's failure must not stop the others
+                self._failed(entry, row.tick, exc)
+                continue
+            if dispatched is not None:
+                logger.warning(
+                    "schedule %r: tick %s was claimed at %s but never dispatched; dispatched it again",
+                    entry.name,
+                    row.tick.isoformat(),
+                    row.claimed_at.isoformat(),
+                    extra=log_fields(dispatched.job_id, dispatched.queue, dispatched.handler, outcome="scheduled"),
+                )
+                done.append(dispatched)
+        return done
+
+    # -- a manual tick --
+
+    def run_now(self, name: str) -> str:
+        """Dispatch ``name``'s job now, outside its schedule (the admin's "run now"): a manual
+        tick at the current time. Returns the job id; raises what the dispatch raised."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise ScheduleError(f"no entry {name!r} in JOBS['SCHEDULE']")
+        now = self.clock()
+        if not self._synced:
+            self.sync(now)
+        dispatched = self._dispatch(entry, now, now, manual=True)
+        if dispatched is None:  # an instant already taken: not expected of a clock
+            raise IntegrityError(f"schedule {name!r} already has a tick at {now.isoformat()}")
+        return dispatched.job_id
+
+    # -- claim and dispatch --
+
+    def _dispatch(
+        self, entry: Entry, tick: datetime, now: datetime, *, manual: bool = False, stale: ScheduleTick | None = None
+    ) -> Dispatched | None:
+        """Claim ``tick`` (insert its row, or take over the ``stale`` one) and dispatch its job
+        in the same transaction. ``None``: another scheduler has it, or a ``job_dispatching``
+        receiver cancelled a scheduled tick (which is spent: it is not retried)."""
+        builder = job_builder(entry, tick)
+        backend = get_backend(builder.backend_name)
+        ticks = ScheduleTick.objects.using(self.alias)
+        claimed = False
+        try:
+            with self._transaction(backend):
+                if stale is None:
+                    row = ticks.create(schedule_id=entry.name, tick=tick, manual=manual, claimed_at=now, job_id="")
+                else:
+                    cutoff = now - REDISPATCH_AFTER
+                    taken = ticks.filter(pk=stale.pk, dispatched_at__isnull=True, claimed_at__lt=cutoff)
+                    if not taken.update(claimed_at=now):
+                        return None  # another scheduler took it over first
+                    row = stale
+                claimed = True
+                try:
+                    envelope = builder.build()
+                except DispatchCancelled as exc:
+                    if manual and stale is None:  # a person asked: they are told why not
+                        raise
+                    ticks.filter(pk=row.pk).update(dispatched_at=now)
+                    logger.info(
+                        "schedule %r: tick %s cancelled by a job_dispatching receiver: %s",
+                        entry.name,
+                        tick.isoformat(),
+                        exc.args[0],
+                        extra=log_fields(None, entry.queue, entry.job, outcome="cancelled"),
+                    )
+                    return None
+                backend.submit([envelope])
+                # A database backend's job commits with this transaction; a broker's push
+                # happens at its commit, and marks the tick dispatched once it returned.
+                ticks.filter(pk=row.pk).update(job_id=envelope.id, dispatched_at=now if backend.transactional else None)
+                later = Q(last_run__isnull=True) | Q(last_run__lte=tick)
+                Schedule.objects.using(self.alias).filter(later, name=entry.name).update(
+                    last_run=tick, last_job_id=envelope.id, next_run=entry.next_tick(now), updated_at=now
+                )
+                if not backend.transactional:
+                    # After the push: both run at the commit of the transaction the push waits for.
+                    transaction.on_commit(partial(self._mark_dispatched, row.pk), using=_atomic_alias())
+        except IntegrityError:
+            if claimed:
+                raise
+            logger.debug("schedule %r: tick %s is another scheduler's", entry.name, tick.isoformat())
+            return None
+        dispatched = Dispatched(entry.name, tick, envelope.id, envelope.queue, envelope.handler, manual)
+        self._dispatched(dispatched)
+        return dispatched
+
+    @contextmanager
+    def _transaction(self, backend: QueueBackend) -> Iterator[None]:
+        """One transaction on the ticks' database; a database backend that keeps its jobs in
+        another database gets its own transaction inside it, committed just before."""
+        jobs_alias: str = getattr(backend, "alias", self.alias) if backend.transactional else self.alias
+        inner = transaction.atomic(using=jobs_alias) if jobs_alias != self.alias else nullcontext()
+        with transaction.atomic(using=self.alias), inner:
+            yield
+
+    def _mark_dispatched(self, pk: int) -> None:
+        ScheduleTick.objects.using(self.alias).filter(pk=pk).update(dispatched_at=self.clock())
+
+    def _dispatched(self, dispatched: Dispatched) -> None:
+        """Log, count and report a dispatch."""
+        logger.info(
+            "schedule %r: dispatched %s",
+            dispatched.name,
+            dispatched,
+            extra=log_fields(dispatched.job_id, dispatched.queue, dispatched.handler, outcome="scheduled"),
+        )
+        self.metrics.increment("jobs_scheduled", queue=dispatched.queue)
+        self.dispatched += 1
+        if self.on_dispatch is not None:
+            self.on_dispatch(dispatched)
+
+    def _failed(self, entry: Entry, tick: datetime | None, error: Exception) -> None:
+        """Log an entry's failure (at ERROR once per tick; its retries at DEBUG)."""
+        fields = log_fields(None, entry.queue, entry.job)
+        when = "" if tick is None else f" tick {tick.isoformat()}"
+        if entry.name in self._failing and self._failing[entry.name] == tick:
+            logger.debug("schedule %r:%s failed again", entry.name, when, exc_info=error, extra=fields)
+            return
+        self._failing[entry.name] = tick
+        logger.exception(
+            "schedule %r:%s could not be dispatched; trying again next pass", entry.name, when, extra=fields
+        )
+
+    # -- the loop --
+
+    def run(self, stop: threading.Event) -> None:
+        """Sync, then pass every ``poll`` seconds or as soon as a tick is due, until ``stop``
+        is set (checked between passes). A failed pass (the database is unreachable) is logged
+        once per outage, and passes are retried with a backoff of up to ``MAX_BACKOFF``."""
+        backoff = 0.0
+        while not stop.is_set():
+            try:
+                if not self._synced:
+                    self.sync()
+                self.run_pass()
+                wait = self._until_next_pass()
+            except Exception:  # the loop outlives any outage
+                _drop_connections()
+                if not backoff:
+                    logger.exception("scheduler: a pass failed; retrying with a backoff until one succeeds")
+                backoff = min(max(2 * backoff, self.poll), MAX_BACKOFF)
+                stop.wait(backoff)
+                continue
+            if backoff:
+                logger.warning("scheduler: passes succeed again")
+                backoff = 0.0
+            stop.wait(wait)
+
+    def _until_next_pass(self) -> float:
+        """Seconds until the next pass: ``poll``, or less when an entry's next tick comes sooner."""
+        now = self.clock()
+        ahead = [(entry.next_tick(now) - now).total_seconds() for entry in self.entries.values() if entry.enabled]
+        return max(min([self.poll, *ahead]), 0.001)
+
+
+def _drop_connections() -> None:
+    """After a failed pass: close this thread's database connections (outside a transaction),
+    so the next pass connects afresh instead of reusing a broken one."""
+    for connection in connections.all(initialized_only=True):
+        if not connection.in_atomic_block:
+            with contextlib.suppress(Exception):  # a dead connection may fail to close; it is gone
+                connection.close()
