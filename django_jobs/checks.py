@@ -181,17 +181,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         problem = signing.keys_problem(getattr(settings, "SECRET_KEY_FALLBACKS", ()))
         if problem:
             errors.append(_error(f"SECRET_KEY_FALLBACKS {problem}", "E011", obj="settings.SECRET_KEY_FALLBACKS"))
-    for related in (_backends_and_engines, _strategy, _queues, _cache, _handlers_and_queues):
+    # _schedule comes after _handlers_and_queues, which imports the jobs modules (@job names).
+    for related in (_backends_and_engines, _strategy, _queues, _cache, _handlers_and_queues, _schedule):
         errors += related(bad)
-    if "SCHEDULE" not in bad and conf.get("SCHEDULE"):
-        errors.append(
-            checks.Warning(
-                "JOBS['SCHEDULE'] is not used yet: periodic jobs are planned, and no job in it is dispatched",
-                hint="dispatch periodic jobs from cron or a timer (manage.py shell -c ...) until jobs_schedule exists",
-                obj="settings.JOBS",
-                id="django_jobs.W002",
-            )
-        )
     return errors
 
 
@@ -292,6 +284,15 @@ def _handlers_and_queues(bad: set[str]) -> list[checks.CheckMessage]:
                     )
                 )
     return errors
+
+
+def _schedule(bad: set[str]) -> list[checks.CheckMessage]:
+    """E014: each bad entry of SCHEDULE (bad trigger, time zone or queue, unknown job, ...)."""
+    from . import schedules
+
+    if "SCHEDULE" in bad:
+        return []
+    return [_error(problem, "E014") for problem in schedules.errors()]
 
 
 def _import_job_modules(bad: set[str]) -> list[checks.CheckMessage]:

@@ -366,17 +366,56 @@ def test_manage_py_check_reports_settings_that_weaken_security():
     assert "ALLOWED_SHELL_COMMANDS" in str(info.value)
 
 
-def test_a_schedule_is_reported_as_not_used_yet():
-    from django.conf import settings
-    from django.test import override_settings
+# -- periodic jobs (SCHEDULE) ----------------------------------------------------------------------------
 
-    from django_jobs.checks import check_settings
 
-    schedule = {"nightly": {"job": "x", "cron": "0 3 * * *"}}
-    with override_settings(JOBS={**settings.JOBS, "SCHEDULE": schedule}):
-        assert [m.id for m in check_settings()] == ["django_jobs.W002"]
-    with override_settings(JOBS={**settings.JOBS, "SCHEDULE": {}}):
-        assert check_settings() == []
+def test_a_bad_cron_expression_is_a_check_error():
+    schedule = {"nightly": {"job": "tests.testapp.jobs.scripted", "cron": "0 3 * *"}}
+    only(jobs_errors(SCHEDULE=schedule), "django_jobs.E014", "SCHEDULE['nightly']['cron']", "5 fields")
+
+
+def test_a_schedule_naming_an_unknown_job_is_a_check_error():
+    # The check imports the jobs modules first, as a worker does: scripted is registered.
+    schedule = {"nightly": {"job": "tests.testapp.jobs.scriptd", "daily": "03:00"}}
+    only(
+        jobs_errors(SCHEDULE=schedule),
+        "django_jobs.E014",
+        "unknown job 'tests.testapp.jobs.scriptd'",
+        "did you mean 'tests.testapp.jobs.scripted'?",
+    )
+
+
+def test_every_bad_entry_is_reported_and_manage_py_check_fails():
+    schedule = {
+        "a": {"job": "tests.testapp.jobs.scripted", "every": 60, "timezone": "Mars/Olympus"},
+        "b": {"job": "tests.testapp.jobs.scripted", "every": 60, "daily": "03:00"},
+    }
+    assert [e.id for e in jobs_errors(SCHEDULE=schedule)] == ["django_jobs.E014"] * 2
+    with jobs_settings(SCHEDULE=schedule), pytest.raises(SystemCheckError, match="Mars/Olympus"):
+        call_command("check")
+
+
+def test_a_good_schedule_passes_every_check():
+    schedule = {
+        "nightly": {
+            "job": "tests.testapp.jobs.scripted",
+            "kwargs": {"action": "ok"},
+            "cron": "0 3 * * *",
+            "timezone": "Europe/Paris",
+            "queue": "other",
+            "backend": "pg",
+            "priority": 5,
+            "missed": "catch_up_once",
+        },
+        "ping": {"job": "url", "payload": {"url": "https://example.com"}, "every": "5m", "enabled": False},
+        "weekly": {"job": "tests.api_support.bare_job", "args": [1], "weekly": "mon 09:00"},
+    }
+    with jobs_settings(SCHEDULE=schedule):
+        assert [m for m in checks.run_checks(tags=[checks.Tags.compatibility]) if not m.is_silenced()] == []
+
+
+def test_a_schedule_that_is_not_a_dict_is_reported_once():
+    assert [e.id for e in jobs_errors(SCHEDULE=[])] == ["django_jobs.E010"]
 
 
 # -- a backend that keeps nothing on disk (only under check --deploy) ----------------------------------
