@@ -8,12 +8,14 @@ Each process keeps its row in the workers panel while it runs (:mod:`~django_job
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
@@ -65,6 +67,15 @@ class SharedBudget:
         return self.left.value <= 0
 
 
+class Sidecar(NamedTuple):
+    """A process the pool runs beside its workers (the scheduler of ``jobs_work --with-scheduler``):
+    ``run(stop)`` until ``stop`` is set, which a stop signal does. Supervised like a worker
+    process, it is stopped once the last worker process has finished."""
+
+    name: str
+    run: Callable[[threading.Event], object]
+
+
 class _RunOptions(TypedDict):
     """What each process's ``QueueWorker.run`` is given, besides the shared budget."""
 
@@ -90,10 +101,12 @@ class WorkerPool:
         recover: Callable[[str, str, str | None], object] | None = None,
         on_start: Callable[[], None] | None = None,
         on_stop: Callable[[], None] | None = None,
+        sidecar: Sidecar | None = None,
     ) -> None:
         """``recover(queue, owner_token, job_in_hand)`` is called when a worker process dies
         holding claims (:func:`~django_jobs.reaper.recover_claims`); ``on_start`` and
-        ``on_stop`` run in each worker process before and after its run."""
+        ``on_stop`` run in each worker process before and after its run; ``sidecar`` runs in
+        one more process, in the slot after the workers'."""
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self.make_worker = make_worker
@@ -102,6 +115,7 @@ class WorkerPool:
         self.budget = SharedBudget(max_jobs) if max_jobs is not None else None
         self.recover = recover
         self.on_start, self.on_stop = on_start, on_stop  # in each worker process, around its run
+        self.sidecar = sidecar
         # pid -> slot, state, start, claims
         self.children: dict[int, tuple[int, Synchronized[int], float, ctypes.Array[ctypes.c_char]]] = {}
         self.stopping = False
@@ -134,11 +148,12 @@ class WorkerPool:
         # Children must not share the parent's sockets.
         connections.close_all()
         backends.reset()
-        for slot in range(self.concurrency):
+        for slot in range(self.concurrency + (self.sidecar is not None)):
             self._spawn(slot)
         quick_deaths = 0
         gave_up = False
         while self.children:
+            self._stop_sidecar_when_alone()
             try:
                 pid, status = os.wait()
             except ChildProcessError:
@@ -155,7 +170,8 @@ class WorkerPool:
             quick_deaths = quick_deaths + 1 if state.value == STARTING else 0
             if quick_deaths >= STARTUP_DEATHS:
                 logger.error(
-                    "worker process %d (slot %d) died with status %s at start-up, %d times in a row; giving up",
+                    "%s process %d (slot %d) died with status %s at start-up, %d times in a row; giving up",
+                    self._kind(slot),
                     pid,
                     slot,
                     code,
@@ -165,7 +181,8 @@ class WorkerPool:
                 self._on_signal(signal.SIGTERM, None)  # stop the others; their jobs finish first
                 continue
             logger.error(
-                "worker process %d (slot %d) died with status %s; starting a new one",
+                "%s process %d (slot %d) died with status %s; starting a new one",
+                self._kind(slot),
                 pid,
                 slot,
                 code,
@@ -177,6 +194,16 @@ class WorkerPool:
             if not self.stopping:
                 self._spawn(slot)
         return 1 if gave_up else 0
+
+    def _kind(self, slot: int) -> str:
+        return self.sidecar.name if self.sidecar is not None and slot == self.concurrency else "worker"
+
+    def _stop_sidecar_when_alone(self) -> None:
+        """Every worker process has finished (``--max``, ``--max-time``): stop the sidecar too."""
+        if self.sidecar is not None and all(slot == self.concurrency for slot, *_ in self.children.values()):
+            for pid in list(self.children):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
 
     def _recover(self, claims: Claims | None) -> None:
         """A worker process died: recover the claims it held now, in this process (whose
@@ -209,28 +236,48 @@ class WorkerPool:
         try:
             self.children = {}
             _die_with_parent(parent)
-            self._worker = worker = self.make_worker()
-            worker.in_hand = _recorder(claims)
-            state.value = RUNNING
-            worker.exit_on_hard_timeout = True
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            if self.stopping:
-                worker.stop()
-            if self.on_start is not None:
-                self.on_start()
-            with Presence(worker):  # its row in the workers panel, written every Worker.BEAT
-                worker.run(budget=self.budget, **self.run_options)
-            if self.on_stop is not None:
-                self.on_stop()
-            worker.backend.close()  # hands back anything still held for us (a reserved-ahead job)
+            if self.sidecar is not None and slot == self.concurrency:
+                self._run_sidecar(self.sidecar, state, mask)
+            else:
+                self._run_worker(claims, state, mask)
             state.value = FINISHED
             code = 0
         except BaseException:
-            logger.exception("worker process crashed")
+            logger.exception("%s process crashed", self._kind(slot))
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+
+    def _run_worker(
+        self, claims: ctypes.Array[ctypes.c_char], state: Synchronized[int], mask: set[int | signal.Signals]
+    ) -> None:
+        """A worker process's life, from its start (stop signals still blocked) to its stop."""
+        self._worker = worker = self.make_worker()
+        worker.in_hand = _recorder(claims)
+        state.value = RUNNING
+        worker.exit_on_hard_timeout = True
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if self.stopping:
+            worker.stop()
+        if self.on_start is not None:
+            self.on_start()
+        with Presence(worker):  # its row in the workers panel, written every Worker.BEAT
+            worker.run(budget=self.budget, **self.run_options)
+        if self.on_stop is not None:
+            self.on_stop()
+        worker.backend.close()  # hands back anything still held for us (a reserved-ahead job)
+
+    def _run_sidecar(self, sidecar: Sidecar, state: Synchronized[int], mask: set[int | signal.Signals]) -> None:
+        """The sidecar process: a stop signal sets its ``stop`` event."""
+        stop = threading.Event()
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, lambda *_: stop.set())
+        state.value = RUNNING
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if self.stopping:
+            stop.set()
+        sidecar.run(stop)
 
 
 class Claims(NamedTuple):

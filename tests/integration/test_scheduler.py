@@ -10,9 +10,12 @@ import logging
 import threading
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from io import StringIO
 
 import pytest
+from django.core.management import CommandError, call_command
 from django.db import DatabaseError
+from django.utils import timezone
 
 from django_jobs.backends.database import DatabaseBackend
 from django_jobs.metrics import get_collector
@@ -337,3 +340,36 @@ def test_the_loop_syncs_before_its_first_pass():
     made = Scheduler({"report": entry()}, clock=lambda: T0)
     made.run(Waits(limit=1))
     assert Schedule.objects.filter(name="report", created_at=T0).exists()
+
+
+# -- jobs_schedule ------------------------------------------------------------------------------
+
+
+def test_jobs_schedule_once_prints_the_entries_and_what_it_dispatched(settings):
+    settings.JOBS = {**settings.JOBS, "SCHEDULE": {"report": {"job": REMEMBER, "every": 60, "missed": "catch_up_once"}}}
+    Schedule.objects.create(name="report", created_at=timezone.now() - 2 * MINUTE)  # synced before
+    out = StringIO()
+    call_command("jobs_schedule", "--once", stdout=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "django-jobs scheduler started: 1 entry, a pass every 1s at most"
+    assert lines[1].startswith(f"  report: {entry().describe()}, next run ")
+    [job] = Job.objects.all()
+    assert lines[2].startswith("scheduled report (tick ") and lines[2].endswith(
+        f"job {job.pk} {REMEMBER} queue=default"
+    )
+    assert lines[3:] == ["django-jobs scheduler stopped: 1 job(s) dispatched"]
+
+
+@pytest.mark.parametrize(
+    ("args", "schedule", "message"),
+    [
+        (["--interval", "0"], {}, "--interval must be a positive number of seconds"),
+        (["--once"], {"report": {"job": REMEMBER}}, "report"),
+    ],
+)
+def test_jobs_schedule_refuses_bad_options_and_entries_in_one_line(settings, args, schedule, message):
+    settings.JOBS = {**settings.JOBS, "SCHEDULE": schedule}
+    with pytest.raises(CommandError, match=message) as raised:
+        call_command("jobs_schedule", *args)
+    assert "\n" not in str(raised.value)
+    assert not Schedule.objects.exists()

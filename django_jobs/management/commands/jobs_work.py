@@ -12,11 +12,12 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_jobs import health, registry, signing
 from django_jobs.backends import get_backend
 from django_jobs.backends.base import QueueBackend
-from django_jobs.pool import STOP_SIGNALS, WorkerPool
+from django_jobs.pool import STOP_SIGNALS, Sidecar, WorkerPool
 from django_jobs.reaper import recover_claims
+from django_jobs.scheduler import POLL
 from django_jobs.worker import QueueWorker
 
-from . import _report, _validate
+from . import _report, _validate, jobs_schedule
 
 
 class Command(BaseCommand):
@@ -33,6 +34,11 @@ class Command(BaseCommand):
             "--prefetch",
             type=int,
             help="jobs each process claims at a time on the database and Redis backends (default PREFETCH; 1 for long jobs)",
+        )
+        parser.add_argument(
+            "--with-scheduler",
+            action="store_true",
+            help="also dispatch the periodic jobs of JOBS['SCHEDULE'], in one more process (as jobs_schedule)",
         )
 
     def handle(self, *args: Any, **opts: Any) -> None:
@@ -68,7 +74,8 @@ class Command(BaseCommand):
     def work(self, backend: str, queues: list[str], opts: dict[str, Any], limits: dict[str, Any]) -> None:
         """Here (a bounded run of one process), or in a supervised pool of processes."""
         per_job, prefetch = opts["verbosity"] >= 1, opts["prefetch"]
-        if opts["concurrency"] == 1 and (opts["once"] or opts["max_jobs"] is not None):
+        scheduler = jobs_schedule.build(POLL, self.stdout, opts["verbosity"]) if opts["with_scheduler"] else None
+        if scheduler is None and opts["concurrency"] == 1 and (opts["once"] or opts["max_jobs"] is not None):
             self.work_here(QueueWorker(backend, queues, exit_on_hard_timeout=True, prefetch=prefetch), limits)
             return
         pool = WorkerPool(
@@ -77,10 +84,16 @@ class Command(BaseCommand):
             recover=functools.partial(recover_claims, backend),
             on_start=self.report.restart,
             on_stop=self.report.stopped if per_job else None,
+            # Its own process, not a thread: a supervisor that forks must hold no connection or lock.
+            sidecar=None
+            if scheduler is None
+            else Sidecar("scheduler", functools.partial(jobs_schedule.serve, scheduler, self.stdout)),
             **limits,
         )
         pool.install_signal_handlers()
         self.report.started(backend, queues, opts["concurrency"])
+        if scheduler is not None:
+            jobs_schedule.announce(scheduler, self.stdout)
         self.warn_if_not_persistent(backend)
         if pool.run():
             raise CommandError("worker processes keep dying at start-up (see the errors logged above); giving up")
