@@ -33,7 +33,7 @@ from django.utils import timezone
 from . import conf, registry, schedules
 from .api import JobBuilder, JobFunction, Jobs
 from .backends import get_backend
-from .backends.base import QueueBackend, _atomic_alias
+from .backends.base import QueueBackend, atomic_alias
 from .exceptions import DispatchCancelled, HandlerNotAllowed
 from .logfields import log_fields
 from .metrics import get_collector
@@ -126,7 +126,7 @@ class Scheduler:
         for name, entry in self.entries.items():
             values = {
                 "definition": entry.as_definition(),
-                "description": entry.describe(),
+                "description": _fit(entry.describe(), Schedule._meta.get_field("description").max_length),
                 "time_zone": entry.timezone,
                 "enabled": entry.enabled,
                 "in_settings": True,
@@ -272,7 +272,7 @@ class Scheduler:
                 )
                 if not backend.transactional:
                     # After the push: both run at the commit of the transaction the push waits for.
-                    transaction.on_commit(partial(self._mark_dispatched, row.pk), using=_atomic_alias())
+                    transaction.on_commit(partial(self._mark_dispatched, row.pk), using=atomic_alias())
         except IntegrityError:
             if claimed:
                 raise
@@ -358,3 +358,8 @@ def _drop_connections() -> None:
         if not connection.in_atomic_block:
             with contextlib.suppress(Exception):  # a dead connection may fail to close; it is gone
                 connection.close()
+
+
+def _fit(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters (a long cron expression in words may not fit its column)."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"

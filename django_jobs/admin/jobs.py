@@ -19,7 +19,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from .. import operations
-from ..models import FINISHED_STATUSES, Job, JobAttempt, JobDashboard, JobStatus, Worker
+from ..models import FINISHED_STATUSES, Job, JobAttempt, JobDashboard, JobStatus, Schedule, Worker
 
 # How much of an error's first line the attempt history and a retry's log message show.
 SUMMARY_CHARS = 200
@@ -319,8 +319,8 @@ class JobAdmin(admin.ModelAdmin):
         return HttpResponseRedirect(self._url("change", job) if jobs.exists() else self._url("changelist"))
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
-        # Links above the list to the dashboard and the workers panel, for whoever may see them.
-        links: dict[str, Any] = {"dashboard_url": JobDashboard, "workers_url": Worker}
+        # Links above the list to the dashboard, the workers panel and the schedules, for whoever may see them.
+        links: dict[str, Any] = {"dashboard_url": JobDashboard, "workers_url": Worker, "schedules_url": Schedule}
         extra = {
             key: reverse(f"admin:{model._meta.app_label}_{model._meta.model_name}_changelist")
             for key, model in links.items()

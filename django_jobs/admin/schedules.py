@@ -18,6 +18,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from ..models import Job, Schedule, ScheduleTick
+from ..scheduler import Scheduler
 from ..schedules import ScheduleError
 from .jobs import time_text
 from .workers import JOB_ID_CHARS, two_lines
@@ -230,9 +231,6 @@ class ScheduleAdmin(admin.ModelAdmin):
     def run_now(self, request: HttpRequest, queryset: QuerySet[Schedule]) -> None:
         """Dispatch each selected enabled schedule's job now (a manual tick); each run is logged
         in the schedule's admin history. Disabled and removed entries are refused."""
-        # Imported here until the scheduler module lands; then a plain import at the top.
-        from ..scheduler import Scheduler  # type: ignore[import-not-found,unused-ignore]
-
         try:
             scheduler = Scheduler()
         except ScheduleError as exc:  # a bad entry in the settings (the system checks report it too)

@@ -256,14 +256,14 @@ class QueueBackend(ABC):
         """Enqueue, deferring to the end of the caller's transaction for non-database backends,
         so a worker never sees a job before the rows it refers to are committed."""
         push: Callable[[], Any] = lambda: self.enqueue_many(envelopes)
-        alias = None if self.transactional else _atomic_alias()
+        alias = None if self.transactional else atomic_alias()
         if alias is None:
             push()
         else:
             transaction.on_commit(push, using=alias)
 
 
-def _atomic_alias() -> str | None:
+def atomic_alias() -> str | None:
     """The database alias whose transaction is open, preferring ``default``."""
     default: str = DEFAULT_DB_ALIAS
     if connections[default].in_atomic_block:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import html
 import re
-import sys
 import types
 from datetime import UTC, datetime, timedelta
 
@@ -15,6 +14,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from django_jobs.models import Job, Schedule, ScheduleTick
+from django_jobs.scheduler import Scheduler
 from tests.testapp.jobs import scripted
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("clean_state")]
@@ -68,14 +68,7 @@ def run_now(monkeypatch):
             raise recorder.fail[name]
         return f"job-{name}"
 
-    try:
-        from django_jobs import scheduler
-    except ImportError:  # the scheduler module is not there yet: a stand-in module
-        scheduler = types.ModuleType("django_jobs.scheduler")
-        scheduler.Scheduler = type("Scheduler", (), {})
-        monkeypatch.setitem(sys.modules, "django_jobs.scheduler", scheduler)
-    monkeypatch.setattr(scheduler.Scheduler, "run_now", fake, raising=False)
-    monkeypatch.setattr("django_jobs.schedules.entries", dict)  # the settings' entries are not read
+    monkeypatch.setattr(Scheduler, "run_now", fake)
     return recorder
 
 
@@ -298,3 +291,24 @@ def test_a_staff_user_who_may_change_schedules_runs_one_now(staff_client, rows, 
     entry = LogEntry.objects.get(object_id="nightly-report")
     assert (entry.user.username, entry.change_message) == ("staff", "Ran now: job job-nightly-report")
     assert Job.objects.filter(pk=rows.job_id).exists()
+
+
+def test_run_now_dispatches_the_real_job_as_a_manual_tick(admin_client, settings):
+    settings.JOBS = {
+        **settings.JOBS,
+        "SCHEDULE": {"report": {"job": "tests.testapp.jobs.scripted", "kwargs": {"action": "ok"}, "daily": "03:00"}},
+    }
+    Scheduler().sync()
+
+    response = run_action(admin_client, "report")
+
+    [tick] = ScheduleTick.objects.filter(schedule_id="report")
+    assert tick.manual and tick.dispatched_at is not None
+    job = Job.objects.get(pk=tick.job_id)
+    assert (job.handler, job.status, job.payload["kwargs"]) == (
+        "tests.testapp.jobs.scripted",
+        "pending",
+        {"action": "ok"},
+    )
+    assert tick.job_id in response.content.decode()
+    assert LogEntry.objects.get(object_id="report").get_change_message() == f"Ran now: job {tick.job_id}"
