@@ -4,24 +4,21 @@ latest ticks, and a "run now" action. Read-only: the settings are the source of 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.views.main import ChangeList
-from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
-from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from ..models import Job, Schedule, ScheduleTick
+from ..models import Schedule, ScheduleTick
 from ..scheduler import Scheduler
 from ..schedules import ScheduleError
 from .jobs import time_text
-from .workers import JOB_ID_CHARS, two_lines
+from .workers import job_cell, known_jobs, two_lines
 
 NOTE = (
     'Schedules are defined in the settings (JOBS["SCHEDULE"]) and cannot be changed here: '
@@ -32,26 +29,6 @@ NOTE = (
 TICKS_SHOWN = 25
 # A schedule's state and the job status badge whose colour it wears (status_badges.css).
 BADGES = {"enabled": "completed", "disabled": "cancelled", "removed from settings": "in_progress"}
-
-
-def known_jobs(ids: Iterable[str]) -> set[str]:
-    """Those of ``ids`` that have a ``Job`` row in the default database: one query, none for no
-    ids (a broker's job has a row only once it failed)."""
-    wanted = {job_id for job_id in ids if job_id}
-    if not wanted:
-        return set()
-    return set(Job.objects.using(DEFAULT_DB_ALIAS).filter(pk__in=wanted).values_list("pk", flat=True))
-
-
-def job_cell(job_id: str, known: bool) -> SafeString | str:
-    """A job id, cut short (the whole id is its tooltip), linked to its page when ``known``."""
-    if not job_id:
-        return "—"
-    shown = job_id if len(job_id) <= JOB_ID_CHARS else job_id[: JOB_ID_CHARS - 1] + "…"
-    code = format_html('<code title="{}">{}</code>', job_id, shown)
-    if not known:
-        return code
-    return format_html('<a href="{}">{}</a>', reverse("admin:django_jobs_job_change", args=[job_id]), code)
 
 
 def state(schedule: Schedule) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -71,6 +72,26 @@ class StateFilter(admin.SimpleListFilter):
         return queryset
 
 
+def known_jobs(ids: Iterable[str]) -> set[str]:
+    """Those of ``ids`` that have a ``Job`` row in the default database: one query, none for no
+    ids (a broker's job has a row only once it failed)."""
+    wanted = {job_id for job_id in ids if job_id}
+    if not wanted:
+        return set()
+    return set(Job.objects.using(DEFAULT_DB_ALIAS).filter(pk__in=wanted).values_list("pk", flat=True))
+
+
+def job_cell(job_id: str, known: bool) -> SafeString | str:
+    """A job id, cut short (the whole id is its tooltip), linked to its page when ``known``."""
+    if not job_id:
+        return "—"
+    shown = job_id if len(job_id) <= JOB_ID_CHARS else job_id[: JOB_ID_CHARS - 1] + "…"
+    code = format_html('<code title="{}">{}</code>', job_id, shown)
+    if not known:
+        return code
+    return format_html('<a href="{}">{}</a>', reverse("admin:django_jobs_job_change", args=[job_id]), code)
+
+
 @admin.register(Worker)
 class WorkerAdmin(admin.ModelAdmin):
     """Read-only; old rows may be deleted (a worker's start also deletes those of a week ago)."""
@@ -95,10 +116,7 @@ class WorkerAdmin(admin.ModelAdmin):
         """The page's workers, each told the page's time and its job's page (one query for all)."""
         changelist: ChangeList = super().get_changelist_instance(request)
         workers = list(changelist.result_list)  # evaluated once: the template reads the same rows
-        ids = {worker.current_job for worker in workers if worker.current_job}
-        known = (
-            set(Job.objects.using(DEFAULT_DB_ALIAS).filter(pk__in=ids).values_list("pk", flat=True)) if ids else set()
-        )
+        known = known_jobs(worker.current_job for worker in workers)
         now = timezone.now()
         for worker in workers:
             worker.panel_now = now
@@ -137,13 +155,9 @@ class WorkerAdmin(admin.ModelAdmin):
     @admin.display(description="current job")
     def job(self, obj: Worker) -> SafeString | str:
         """Its id (linked to its page when it has a ``Job`` row) over how long it has run."""
-        job_id = obj.current_job
-        if not job_id:
+        if not obj.current_job:
             return "—"
-        shown = job_id if len(job_id) <= JOB_ID_CHARS else job_id[: JOB_ID_CHARS - 1] + "…"
-        code = format_html('<code title="{}">{}</code>', job_id, shown)
-        if getattr(obj, "job_known", False):
-            code = format_html('<a href="{}">{}</a>', reverse("admin:django_jobs_job_change", args=[job_id]), code)
+        code = job_cell(obj.current_job, getattr(obj, "job_known", False))
         started = obj.current_job_started
         runtime = "" if started is None else duration_text(max((self._now(obj) - started).total_seconds(), 0.0))
         return two_lines(code, runtime)

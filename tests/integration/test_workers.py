@@ -209,6 +209,8 @@ def test_the_thread_survives_an_outage_prunes_old_rows_and_stop_marks_the_row_st
     presence.start()
     try:
         wait_until(lambda: Worker.objects.using(presence_db).filter(pk=presence.id).exists(), 10, "the worker row")
+        # The row is committed a moment before the thread notes the write: wait for the note too.
+        wait_until(lambda: "written" in tries, 10, "the write noted")
         assert tries[:3] == ["failed", "failed", "written"]
         wait_until(lambda: not Worker.objects.using(presence_db).filter(pk=old.pk).exists(), 10, "old rows deleted")
         assert set(Worker.objects.using(presence_db).values_list("hostname", flat=True)) == {
