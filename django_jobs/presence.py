@@ -77,9 +77,11 @@ def write_beat(alias: str, beat: Beat) -> None:
 
 
 def prune(alias: str, now: datetime) -> None:
-    """Delete the rows of workers long gone and throughput too old to be shown (both indexed)."""
-    Worker.objects.using(alias).filter(last_seen__lt=now - KEEP_WORKERS).delete()
-    Throughput.objects.using(alias).filter(minute__lt=now - KEEP_THROUGHPUT).delete()
+    """Delete the rows of workers long gone and throughput too old to be shown (both indexed),
+    in one transaction: a reader never sees one pruned and not the other."""
+    with transaction.atomic(using=alias):
+        Worker.objects.using(alias).filter(last_seen__lt=now - KEEP_WORKERS).delete()
+        Throughput.objects.using(alias).filter(minute__lt=now - KEEP_THROUGHPUT).delete()
 
 
 def counts_since(
