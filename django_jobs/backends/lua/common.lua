@@ -11,6 +11,7 @@ local notify_key = KEYS[8]      -- list: wakes blocked workers
 local failed_key = KEYS[9]      -- zset: failure ms -> id, kept for audit
 local errors_key = KEYS[10]     -- hash: id -> last error
 local ahead_key = KEYS[11]      -- hash: id -> '1' claimed ahead of its run, '2' and an earlier such claim was lost
+local aborts_key = KEYS[12]     -- hash: id -> who asked to abort the running job
 
 -- 2^40: one priority step in a waiting score, above any sequence number.
 local PRIORITY_STEP = 1099511627776
@@ -32,6 +33,7 @@ local function release(id)
   redis.call('ZREM', processing_key, id)
   redis.call('HDEL', owners_key, id)
   redis.call('HDEL', ahead_key, id)
+  redis.call('HDEL', aborts_key, id)
 end
 
 local function fail(id, now, err)
