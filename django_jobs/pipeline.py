@@ -477,7 +477,11 @@ class DeliveryPipeline:
         self.settle(d.lease, self._cancelled(d, exc, seconds=0.0), retries=())
 
     def settle_timed_out(self, d: Delivery) -> None:
-        """Heartbeat thread: the attempt ignored its soft timeout; settle it as a failed run."""
+        """Heartbeat thread: the attempt ignored its soft timeout; settle it as a failed run
+        (as cancelled, when it was asked to abort)."""
+        if d.aborted_by is not None:
+            self.settle_aborted(d)
+            return
         exc = JobTimeout(f"attempt exceeded its timeout by {HARD_TIMEOUT_GRACE:g}s and was killed")
         logger.critical(
             "job %s is stuck past its timeout; settling it as failed", d.env.id, extra=lease_fields(d.lease, d.attempt)

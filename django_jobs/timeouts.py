@@ -73,4 +73,4 @@ class TimeLimit:
     def _on_alarm(self, signum: int, frame: Any) -> None:
         if self.aborted_by is not None:
             raise JobAborted(f"{JobAborted.describe(self.aborted_by)}: still running after the abort grace")
-        raise JobTimeout(f"attempt exceeded its {self.seconds:g}s timeout")
+        raise JobTimeout(f"attempt exceeded its {self.seconds or 0:g}s timeout")

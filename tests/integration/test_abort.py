@@ -5,7 +5,8 @@ PostgreSQL) and on Redis; the brokers that cannot look a job up by id say so."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from io import StringIO
 from typing import Any
 
@@ -39,17 +40,20 @@ def aborts_itself(context: JobContext) -> str:
     WORKER["worker"].heartbeat._beat(context.lease, ())
     SEEN.append(context.aborted)
     if context.payload.get("sleep"):
-        import time
-
         time.sleep(context.payload["sleep"])
     return "finished anyway"
 
 
 @pytest.fixture
-def self_aborting(settings: Any) -> Iterator[None]:
-    settings.JOBS = {**settings.JOBS, "HANDLERS": {"aborts-itself": f"{__name__}.aborts_itself"}, "ABORT_GRACE": 0.05}
+def self_aborting(settings: Any) -> Iterator[Callable[[float], None]]:
+    """Registers ``aborts_itself``; call the fixture's value with the ``ABORT_GRACE`` to use."""
+
+    def grace(seconds: float) -> None:
+        handlers = {"aborts-itself": f"{__name__}.aborts_itself"}
+        settings.JOBS = {**settings.JOBS, "HANDLERS": handlers, "ABORT_GRACE": seconds}
+
     SEEN.clear()
-    yield
+    yield grace
     WORKER.clear()
 
 
@@ -58,6 +62,14 @@ def attempts_of(db: str, job_id: str) -> list[tuple[int, str, str, str]]:
         (a.attempt, a.outcome, a.worker_id, a.error)
         for a in JobAttempt.objects.using(db).filter(job_id=job_id).order_by("id")
     ]
+
+
+def told_on_beat_of(queue: Any, lease: Any) -> list[str]:
+    """Beat ``lease`` once: who the heartbeat was told asked to abort its job."""
+    beat, told = Heartbeat(queue, lease_seconds=30), []
+    beat.watch(lease, (), told.append)
+    beat._beat(lease, ())
+    return told
 
 
 def command(*args: str) -> tuple[str, str]:
@@ -104,6 +116,29 @@ def test_aborting_a_running_job_flags_it_and_a_beat_tells_the_worker(backend):
     assert row(backend, job_id).leased_until == lease.expires_at  # the beat still extended it
 
 
+def told_on_beat(queue_name: str) -> list[str]:
+    """Fetch the next job of ``queue_name``'s default queue and beat it once: who asked to abort it."""
+    queue = Jobs.backend(queue_name)
+    lease = queue.fetch("default")
+    assert lease is not None
+    return told_on_beat_of(queue, lease)
+
+
+def test_an_abort_outlives_a_requeue_and_a_retry_clears_it(backend):
+    job_id = scripted.using(backend=backend, max_retries=3).dispatch(action="ok")
+    queue = Jobs.backend(backend)
+    lease = queue.fetch("default")
+    assert Jobs.abort(job_id, "ops") == "aborting"
+    queue.nack(lease, 0, error="boom")  # that run failed before a beat saw the abort
+
+    assert told_on_beat(backend) == ["ops"]  # its next run is stopped at its first beat
+    Job.objects.using(alias(backend)).filter(pk=job_id).update(status="cancelled", owner_token=None)
+    assert operations.retry_jobs(Job.objects.using(alias(backend)).filter(pk=job_id)).retried == 1
+
+    assert row(backend, job_id).abort_requested is None
+    assert told_on_beat(backend) == []
+
+
 def test_aborting_a_finished_job_leaves_it_alone(backend):
     job_id = scripted.using(backend=backend).dispatch(action="ok")
     assert QueueWorker(backend).process_once().status == "acked"
@@ -138,8 +173,8 @@ def test_an_id_no_backend_holds_is_refused_naming_the_backends_that_cannot_look(
 # -- the worker: a flag seen by a beat stops the run, which ends cancelled ----------------------
 
 
-@pytest.mark.usefixtures("self_aborting")
-def test_a_job_told_to_abort_sees_it_and_ends_cancelled_never_retried(backend):
+def test_a_job_told_to_abort_sees_it_and_ends_cancelled_never_retried(backend, self_aborting):
+    self_aborting(60)  # it returns long before JobAborted could interrupt it
     job_id = Jobs.define("aborts-itself", {}).max_retries(3).dispatch(backend=backend)
     metrics = InMemoryMetricsCollector()
     WORKER["worker"] = worker = QueueWorker(backend, metrics=metrics)
@@ -156,8 +191,8 @@ def test_a_job_told_to_abort_sees_it_and_ends_cancelled_never_retried(backend):
     assert worker.process_once().status == "empty"  # no retry
 
 
-@pytest.mark.usefixtures("self_aborting")
-def test_a_job_that_ignores_the_abort_is_interrupted_by_job_aborted_after_the_grace(backend):
+def test_a_job_that_ignores_the_abort_is_interrupted_by_job_aborted_after_the_grace(backend, self_aborting):
+    self_aborting(0.05)
     job_id = Jobs.define("aborts-itself", {"sleep": 30}).max_retries(3).dispatch(backend=backend)
     WORKER["worker"] = worker = QueueWorker(backend)
 
@@ -199,18 +234,32 @@ def test_redis_flags_a_running_job_for_its_beat_and_the_settle_records_it(redis_
     queue = Jobs.backend("redis")
     lease = queue.fetch("default")
     assert lease is not None
-    beat, told = Heartbeat(queue, lease_seconds=30), []
-    beat.watch(lease, (), told.append)
 
     assert Jobs.abort(job_id, "ops") == "aborting"
-    beat._beat(lease, ())
-    assert told == ["ops"]
+    assert told_on_beat_of(queue, lease) == ["ops"]
     queue.cancel(lease, "Aborted by ops")
 
     assert queue.peek(job_id) is None
     assert redis_up.hget(queue.keys("default").aborts, job_id) is None  # the settle cleared the flag
     cancelled = Job.objects.get(pk=job_id)
     assert (cancelled.status, cancelled.attempts, cancelled.last_error) == ("cancelled", 1, "Aborted by ops")
+
+
+def test_redis_keeps_an_abort_through_a_requeue_and_a_new_dispatch_clears_it(
+    redis_up, django_capture_on_commit_callbacks
+):
+    job_id = redis_job(django_capture_on_commit_callbacks, max_retries=3)
+    queue = Jobs.backend("redis")
+    lease = queue.fetch("default")
+    assert Jobs.abort(job_id, "ops") == "aborting"
+    queue.nack(lease, 0, error="boom")
+
+    lease = queue.fetch("default")
+    assert told_on_beat_of(queue, lease) == ["ops"]
+    queue.dead_letter(lease, "Aborted by ops")
+    queue.enqueue(lease.envelope)  # a retry dispatches it again
+
+    assert told_on_beat_of(queue, queue.fetch("default")) == []
 
 
 # -- the admin ----------------------------------------------------------------------------------

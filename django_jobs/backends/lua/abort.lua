@@ -1,5 +1,5 @@
 -- Abort a message of this queue: a waiting or delayed one is taken out and forgotten, a leased
--- one is flagged for its worker's heartbeat (extend.lua reads the flag; the settle clears it).
+-- one is flagged for its worker's heartbeat (extend.lua reads the flag; a final settle clears it).
 -- Returns {'cancelled', body}, {'asked'}, or {'unknown'} (not here, or kept as failed).
 local id = ARGV[1]
 local who = ARGV[2]
