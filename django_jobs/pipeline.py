@@ -360,12 +360,14 @@ class DeliveryPipeline:
             self.metrics.observe("jobs_wait_seconds", _since(env.available_at), queue=queue)
         start = time.monotonic()
         deadline = start + timeout if timeout else None
-        if deadline is not None and self.heartbeat is not None:
-            self.heartbeat.arm(deadline + HARD_TIMEOUT_GRACE, lambda: self.settle_timed_out(d))
+        # Set before the check: an abort the heartbeat passes on from here reaches the run.
         d.context = context = JobContext(env, d.attempt, deadline, d.lease)
         d.limit = limit = TimeLimit(timeout)
         if d.aborted_by is not None:  # asked before it started: it does not run
             return self._cancelled(d, None, 0.0, count_run=False)
+        if deadline is not None and self.heartbeat is not None:
+            # An abort's own deadline may be armed already: the earlier one stands.
+            self.heartbeat.arm(deadline + HARD_TIMEOUT_GRACE, lambda: self.settle_timed_out(d), earliest=True)
         d.started_at = timezone.now()
         emit(job_started, d.handler, envelope=env, attempt=d.attempt, context=context)
         try:

@@ -473,12 +473,18 @@ class DatabaseBackend(QueueBackend):
 
     def _prolong(self, lease: Lease, seconds: float, also: str = "") -> str | None:
         """Push the lease's expiry (fenced); ``also``: more assignments in the same UPDATE.
-        Returns the row's ``abort_requested``, read by the same statement."""
+        Returns the row's ``abort_requested``: read by the same statement on PostgreSQL and
+        SQLite (``RETURNING``), by a second one elsewhere."""
         expires = timezone.now() + timedelta(seconds=seconds)
-        _, row = self._execute_queue(
-            f"UPDATE {TABLE} SET {also}leased_until = %s WHERE id = %s AND owner_token = %s RETURNING abort_requested",
-            [self._adapt(expires), lease.token, lease.owner_token],
-        )
+        sql = f"UPDATE {TABLE} SET {also}leased_until = %s WHERE id = %s AND owner_token = %s"
+        params = [self._adapt(expires), lease.token, lease.owner_token]
+        if self._conn.vendor in ("postgresql", "sqlite"):
+            _, row = self._execute_queue(f"{sql} RETURNING abort_requested", params)
+        else:
+            count, _ = self._execute_queue(sql, params)
+            row = (
+                self._execute(f"SELECT abort_requested FROM {TABLE} WHERE id = %s", [lease.token])[1] if count else None
+            )
         if row is None:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
         lease.expires_at = expires
