@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from django.contrib.admin.models import LogEntry
+from django.contrib.auth.models import Permission
 from django.core.management import CommandError, call_command
 from django.urls import reverse
 
@@ -301,3 +302,16 @@ def test_a_running_jobs_page_has_an_abort_button_that_posts(admin_client):
     assert admin_client.post(button).status_code == 302
 
     assert Job.objects.get(pk=job_id).abort_requested == "admin:admin"
+
+
+def test_a_view_only_staff_user_has_no_abort_button_and_is_refused(client, django_user_model):
+    viewer = django_user_model.objects.create_user("viewer", password="x", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_job"))
+    client.force_login(viewer)
+    job_id = scripted.dispatch(action="ok")
+    assert Jobs.backend("default").fetch("default") is not None
+    button = reverse("admin:django_jobs_job_abort", args=[job_id])
+
+    assert button not in client.get(reverse("admin:django_jobs_job_change", args=[job_id])).content.decode()
+    assert client.post(button).status_code == 403
+    assert Job.objects.get(pk=job_id).abort_requested is None
