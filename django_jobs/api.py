@@ -20,7 +20,7 @@ from . import conf, registry, signing
 from .backends import get_backend
 from .backends.base import QueueBackend
 from .envelope import Envelope, PayloadProblem, a_type, check_keys, dumps_payload, new_id, payload_problem
-from .exceptions import DispatchCancelled, InvalidPayload, UnknownQueue
+from .exceptions import AbortNotSupported, DispatchCancelled, InvalidPayload, UnknownJob, UnknownQueue
 from .retry import MAX_DELAY_SECONDS, RetryPolicy, check_delay
 from .signals import emit, job_dispatching
 
@@ -383,7 +383,8 @@ def _check_idempotency_key(key: object) -> None:
 
 
 class Jobs:
-    """Entry points: ``Jobs.define(handler, payload)``, ``Jobs.bulk(...)``, ``Jobs.backend()``."""
+    """Entry points: ``Jobs.define(handler, payload)``, ``Jobs.bulk(...)``, ``Jobs.backend()``,
+    ``Jobs.abort(job_id)``."""
 
     @staticmethod
     def define(handler: str, payload: object = None) -> JobBuilder:
@@ -409,6 +410,29 @@ class Jobs:
         if envelopes:
             get_backend(backend).submit(envelopes)
         return [e.id for e in envelopes]
+
+    @staticmethod
+    def abort(job_id: str, requested_by: str = "api") -> Literal["cancelled", "aborting", "finished"]:
+        """Stop a job: ``"cancelled"`` when it was waiting (it never runs); ``"aborting"`` when it
+        is running (its worker stops it within a beat plus ``ABORT_GRACE`` and it ends
+        ``cancelled``); ``"finished"`` when it had already ended (it is left alone).
+
+        ``requested_by`` is recorded with the cancelled attempt. Raises ``UnknownJob`` when no
+        database or backend holds the job, and ``AbortNotSupported`` when it may be on a backend
+        that cannot abort a job by its id (beanstalkd, Azure Service Bus, sync)."""
+        from .operations import abort_jobs  # the models load after the app registry
+
+        outcome = abort_jobs([job_id], requested_by)
+        if outcome.cancelled:
+            return "cancelled"
+        if outcome.asked:
+            return "aborting"
+        if outcome.finished:
+            return "finished"
+        if outcome.unsupported:
+            names = ", ".join(repr(name) for name in outcome.unsupported)
+            raise AbortNotSupported(f"job {job_id!r} not found; backend(s) {names} cannot abort a job by its id")
+        raise UnknownJob("; ".join([f"no job with id {job_id!r}", *outcome.errors]))
 
     @staticmethod
     def backend(name: str | None = None) -> QueueBackend:

@@ -36,6 +36,12 @@ def record_failure(envelope: Envelope, error: str, backend: str, attempts: int, 
     _keep(envelope, backend, attempts, queue, {"status": JobStatus.FAILED, "last_error": error}, "failure")
 
 
+def record_cancelled(envelope: Envelope, reason: str, backend: str, attempts: int, queue: str | None = None) -> None:
+    """Keep a cancelled ``Job`` copy of ``envelope`` (an aborted job a broker no longer holds),
+    with ``reason`` as its last error. Never raises, like :func:`record_failure`."""
+    _keep(envelope, backend, attempts, queue, {"status": JobStatus.CANCELLED, "last_error": reason}, "cancellation")
+
+
 def record_result(envelope: Envelope, value: Any, backend: str, attempts: int, queue: str | None = None) -> None:
     """Keep a completed ``Job`` copy of ``envelope`` holding ``value``, what its run returned.
     Never raises, like :func:`record_failure`."""

@@ -142,6 +142,7 @@ RULES: dict[str, tuple[str, Rule]] = {
     "DEFAULT_MAX_RETRIES": ("E004", _number(integer=True)),
     "DEFAULT_TIMEOUT": ("E004", _number(positive=True, optional=True)),
     "LEASE_TIMEOUT": ("E004", _number(positive=True)),
+    "ABORT_GRACE": ("E004", _number()),
     "DEAD_LETTER_QUEUE": ("E010", _optional_name),
     "IDEMPOTENCY_TTL": ("E004", _number()),
     "IDEMPOTENCY_CACHE": ("E010", _name),

@@ -30,6 +30,9 @@ DEFAULTS: dict[str, Any] = {
     "DEFAULT_MAX_RETRIES": 0,
     "DEFAULT_TIMEOUT": None,
     "LEASE_TIMEOUT": 60,
+    # Seconds an aborted job may run on after its worker learns of the abort, before
+    # ``JobAborted`` is raised inside it.
+    "ABORT_GRACE": 10,
     "DEAD_LETTER_QUEUE": None,
     "IDEMPOTENCY_TTL": 86400,
     "IDEMPOTENCY_CACHE": "default",

@@ -29,6 +29,25 @@ class JobTimeout(JobsError):
     """The attempt ran longer than its timeout."""
 
 
+class JobAborted(JobsError):
+    """Raised inside a job that was asked to abort and did not stop within ``ABORT_GRACE``."""
+
+    @staticmethod
+    def describe(requested_by: str) -> str:
+        """The ``last_error`` of an aborted job: ``admin:boss`` -> ``Aborted by boss (admin)``,
+        ``command`` -> ``Aborted by command``."""
+        kind, _, name = requested_by.partition(":")
+        return f"Aborted by {name} ({kind})" if name else f"Aborted by {requested_by}"
+
+
+class AbortNotSupported(JobsError):
+    """The backend cannot abort a job by its id (it holds no row of a queued message)."""
+
+
+class UnknownJob(JobsError, LookupError):
+    """No database or backend holds a job with this id."""
+
+
 class UnknownQueue(JobsError, ValueError):
     """A job was dispatched to a queue that is not listed in ``JOBS["QUEUES"]``."""
 

@@ -1,5 +1,5 @@
-"""The heartbeat: one background thread per worker that keeps the current lease alive and
-enforces the hard time limit of the running attempt.
+"""The heartbeat: one background thread per worker that keeps the current lease alive,
+enforces the hard time limit of the running attempt, and passes on an abort asked of it.
 
 It must outlive every fault of the backend, for the life of the process:
 
@@ -54,6 +54,7 @@ class Heartbeat:
         self._cond = threading.Condition()
         self._lease: Lease | None = None
         self._keep_alive: Sequence[Callable[[], None]] = ()
+        self._on_abort: Callable[[str], None] | None = None
         self._next_beat = 0.0
         self._lost: Lease | None = None
         self._deadline: float | None = None
@@ -78,16 +79,26 @@ class Heartbeat:
             self._thread.join(timeout=5)
             self._thread = None
 
-    def watch(self, lease: Lease, keep_alive: Sequence[Callable[[], None]] = ()) -> None:
-        """Keep ``lease`` alive until :meth:`clear`; ``keep_alive`` callables run on every beat."""
+    def watch(
+        self,
+        lease: Lease,
+        keep_alive: Sequence[Callable[[], None]] = (),
+        on_abort: Callable[[str], None] | None = None,
+    ) -> None:
+        """Keep ``lease`` alive until :meth:`clear`; ``keep_alive`` callables run on every beat.
+        ``on_abort`` is called once, on this thread, with who asked, when a beat finds that the
+        job was asked to abort."""
         with self._cond:
-            self._lease, self._keep_alive = lease, keep_alive
+            self._lease, self._keep_alive, self._on_abort = lease, keep_alive, on_abort
             self._next_beat = time.monotonic() + self.interval
 
-    def arm(self, deadline: float, on_deadline: Callable[[], None]) -> None:
+    def arm(self, deadline: float, on_deadline: Callable[[], None], *, earliest: bool = False) -> None:
         """Hard time limit of the running attempt: at ``deadline`` (a ``time.monotonic()``
-        value) settle it with ``on_deadline``, then call ``on_hard_timeout``."""
+        value) settle it with ``on_deadline``, then call ``on_hard_timeout``. ``earliest``: only
+        if no earlier deadline is armed."""
         with self._cond:
+            if earliest and self._deadline is not None and self._deadline <= deadline:
+                return
             self._deadline, self._on_deadline = deadline, on_deadline
             self._cond.notify()
 
@@ -110,7 +121,7 @@ class Heartbeat:
         """The delivery of ``lease`` is over: stop beating it."""
         with self._cond:
             if self._lease is lease:
-                self._lease, self._keep_alive = None, ()
+                self._lease, self._keep_alive, self._on_abort = None, (), None
                 self._deadline = self._on_deadline = None
 
     def lost(self, lease: Lease) -> bool:
@@ -173,12 +184,21 @@ class Heartbeat:
                 )
                 self._reset_connections()
 
+    def _aborted(self, lease: Lease, requested_by: str) -> None:
+        """The watched job was asked to abort: tell its ``on_abort``, once."""
+        with self._cond:
+            if self._lease is not lease:
+                return
+            on_abort, self._on_abort = self._on_abort, None
+        if on_abort is not None:
+            on_abort(requested_by)
+
     def _extend(self, lease: Lease) -> bool:
-        """One beat: extend, and on a backend error retry once at once on fresh connections."""
+        """One beat: extend, and on a backend error retry once at once on fresh connections.
+        An extend that finds the job asked to abort passes that on."""
         for last_try in (False, True):
             try:
-                self.backend.extend(lease, self.lease_seconds)
-                return True
+                aborted_by = self.backend.extend(lease, self.lease_seconds)
             except LeaseLost:
                 with self._cond:
                     if self._lease is lease:  # not a late beat of a job already settled
@@ -202,6 +222,10 @@ class Heartbeat:
                     with self._cond:
                         if self._lease is lease:
                             self._next_beat = time.monotonic() + min(self.interval, RETRY_AFTER_FAILURE)
+                continue
+            if aborted_by is not None:
+                self._aborted(lease, aborted_by)
+            return True
         return False
 
     def _reset_connections(self) -> None:

@@ -34,6 +34,7 @@ COUNTERS = (
     "jobs_signal_errors",
     "jobs_history_errors",
     "jobs_scheduled",
+    "jobs_aborted",
 )
 HISTOGRAMS = ("jobs_exec_seconds", "jobs_wait_seconds", "jobs_retry_delay_seconds")
 

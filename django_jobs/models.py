@@ -79,6 +79,9 @@ class Job(models.Model):
         default=ClaimedAhead.NO,
         help_text="Claimed in a batch ahead of its run: a lost claim that never started is not counted as a run.",
     )
+    # Who asked to abort the running job (``admin:boss``, ``command``, ``api``); NULL: nobody.
+    # Its worker's heartbeat reads it and stops the job.
+    abort_requested = models.CharField(max_length=150, null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

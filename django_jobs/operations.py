@@ -17,7 +17,7 @@ from . import conf, history, signing
 from .backends import get_backend
 from .backends.database import DatabaseBackend
 from .envelope import Envelope
-from .exceptions import BadSignature, InvalidPayload
+from .exceptions import AbortNotSupported, BadSignature, InvalidPayload, JobAborted
 from .models import ENVELOPE_COLUMNS, FINISHED_STATUSES, AttemptOutcome, Job, JobAttempt, JobStatus
 
 logger = logging.getLogger("django_jobs.operations")
@@ -169,6 +169,7 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
                     leased_until=None,
                     finished_at=None,
                     last_error="",
+                    abort_requested=None,
                     updated_at=now,
                 )
             )
@@ -228,6 +229,83 @@ def cancel_jobs(jobs: QuerySet[Job], reason: str, worker: str | None = None) -> 
         history.record(row.pk, row.attempts + 1, AttemptOutcome.CANCELLED, error=reason, worker=worker, using=db)
         outcome.jobs.append(row)
     return outcome
+
+
+@dataclass
+class AbortOutcome:
+    """What :func:`abort_jobs` did with each id it was given."""
+
+    cancelled: list[str] = field(default_factory=list)  # pending: cancelled before they ran
+    asked: list[str] = field(default_factory=list)  # running: their workers stop them
+    finished: dict[str, str] = field(default_factory=dict)  # already finished (id -> status): left alone
+    unknown: list[str] = field(default_factory=list)  # no database or backend holds them
+    # Backends that cannot abort a job by its id (an unknown id may be one of theirs).
+    unsupported: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # backends that could not be asked
+
+    @property
+    def stopped(self) -> int:
+        """How many jobs were cancelled or asked to abort."""
+        return len(self.cancelled) + len(self.asked)
+
+
+def abort_jobs(ids: list[str], requested_by: str) -> AbortOutcome:
+    """Abort the jobs with these ids, wherever they are. ``requested_by`` says who asked
+    (``admin:boss``, ``command``, ``api``); it is recorded with the cancelled attempt.
+
+    A pending job is cancelled at once (as :func:`cancel_jobs` does). A running one is flagged:
+    its worker's heartbeat sees the flag on its next beat and stops the job, which then ends
+    ``cancelled``, never retried. A finished job is left alone. A job with no ``Job`` row (queued
+    or running on a broker) is looked up in each broker backend (``request_abort``)."""
+    outcome = AbortOutcome()
+    left = list(dict.fromkeys(ids))
+    for alias in job_aliases():
+        for pk in Job.objects.using(alias).filter(pk__in=left).values_list("pk", flat=True):
+            _abort_row(alias, str(pk), requested_by, outcome)
+            left.remove(str(pk))
+    for job_id in left:
+        if _abort_queued(job_id, requested_by, outcome) == "unknown":
+            outcome.unknown.append(job_id)
+    return outcome
+
+
+def _abort_row(alias: str, pk: str, requested_by: str, outcome: AbortOutcome) -> None:
+    """Cancel the row while it is pending, else flag it while it runs, else report its status."""
+    jobs = Job.objects.using(alias).filter(pk=pk)
+    if cancel_jobs(jobs, JobAborted.describe(requested_by), worker=requested_by).jobs:
+        outcome.cancelled.append(pk)
+    elif jobs.filter(status=JobStatus.IN_PROGRESS).update(abort_requested=requested_by, updated_at=timezone.now()):
+        outcome.asked.append(pk)
+    else:
+        outcome.finished[pk] = str(jobs.values_list("status", flat=True).first())
+
+
+def _abort_queued(job_id: str, requested_by: str, outcome: AbortOutcome) -> str:
+    """Ask each broker backend to abort ``job_id``: what the first that holds it did, or
+    ``"unknown"``."""
+    for name in conf.get("BACKENDS") or {}:
+        try:
+            backend = get_backend(name)
+        except ImproperlyConfigured:
+            continue  # reported by the system checks
+        if isinstance(backend, DatabaseBackend):
+            continue  # its jobs are rows, handled above
+        try:
+            done = backend.request_abort(job_id, requested_by)
+        except AbortNotSupported:
+            if name not in outcome.unsupported:
+                outcome.unsupported.append(name)
+            continue
+        except Exception as exc:  # noqa: BLE001 - one unreachable broker must not hide the others
+            outcome.errors.append(f"job {job_id}: backend {name!r} could not be asked: {type(exc).__name__}: {exc}")
+            continue
+        if done == "cancelled":
+            outcome.cancelled.append(job_id)
+        elif done == "asked":
+            outcome.asked.append(job_id)
+        if done != "unknown":
+            return done
+    return "unknown"
 
 
 def envelope_of(row: Job) -> Envelope:

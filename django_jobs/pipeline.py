@@ -34,7 +34,7 @@ from django.utils import timezone
 from . import conf, history, registry, signing
 from .backends.base import Lease, QueueBackend
 from .envelope import Envelope, dumps_payload
-from .exceptions import BadSignature, HandlerNotAllowed, InvalidPayload, JobsError, JobTimeout, LeaseLost
+from .exceptions import BadSignature, HandlerNotAllowed, InvalidPayload, JobAborted, JobsError, JobTimeout, LeaseLost
 from .heartbeat import Heartbeat
 from .idempotency import Claim, IdempotencyGuard
 from .locks import CacheLock
@@ -43,7 +43,7 @@ from .metrics import MetricsCollector, get_collector
 from .models import AttemptOutcome
 from .retry import has_retries_left, may_run, policy_for
 from .signals import emit, job_dead_lettered, job_failed, job_rejected, job_started, job_succeeded
-from .timeouts import HARD_TIMEOUT_GRACE, time_limit
+from .timeouts import HARD_TIMEOUT_GRACE, TimeLimit
 
 logger = logging.getLogger("django_jobs.worker")
 
@@ -68,6 +68,7 @@ class Outcome(StrEnum):
     REJECTED = "rejected"  # undecodable, badly signed or an unknown handler: never run
     SKIPPED_IDEMPOTENT = "skipped-idempotent"  # its idempotency key already succeeded
     LEASE_LOST = "lease-lost"  # the lease was reaped meanwhile: another delivery owns the job
+    CANCELLED = "cancelled"  # asked to abort while it ran: stopped for good, never retried
 
     @property
     def label(self) -> str:
@@ -84,6 +85,7 @@ _LABELS = {
     Outcome.REJECTED: "rejected",
     Outcome.SKIPPED_IDEMPOTENT: "skipped",
     Outcome.LEASE_LOST: "lost",
+    Outcome.CANCELLED: "cancelled",
 }
 # The label of a requeue that did not count a run: the job did not run, because its
 # idempotency key or single-instance lock was held by another delivery.
@@ -130,15 +132,21 @@ class Verdict:
     started_at: datetime | None = None  # when the run began (for the attempt history)
     value: Any = None  # what the run returned (kept when the job asks for its result)
     handler: Any = None  # the handler that ran (the sender of the job signals)
+    requested_by: str | None = None  # who asked to abort a cancelled run
 
 
 class JobContext:
-    """Passed to handlers: the envelope, the attempt number and the time left."""
+    """Passed to handlers: the envelope, the attempt number and the time left.
 
-    __slots__ = ("attempt", "deadline", "envelope", "lease")
+    ``aborted`` becomes ``True`` when the job is asked to abort (its worker's heartbeat learns
+    of it): a job that checks it can stop cleanly before ``ABORT_GRACE`` runs out and
+    ``JobAborted`` is raised inside it. However it ends, the run is settled ``cancelled``."""
+
+    __slots__ = ("aborted", "attempt", "deadline", "envelope", "lease")
 
     def __init__(self, envelope: Envelope, attempt: int, deadline: float | None, lease: Lease) -> None:
         self.envelope, self.attempt, self.deadline, self.lease = envelope, attempt, deadline, lease
+        self.aborted = False
 
     @property
     def payload(self) -> Any:
@@ -203,6 +211,11 @@ class Delivery:
     keep_alive: list[Callable[[], None]] = field(default_factory=list)  # renewed with the lease
     on_success: list[Callable[[], None]] = field(default_factory=list)  # before the ack
     release: list[Callable[[], None]] = field(default_factory=list)  # after any ending
+    # Set by the heartbeat thread when the job is asked to abort: who asked.
+    aborted_by: str | None = None
+    # While the handler runs: its context and time limit, which an abort reaches.
+    context: JobContext | None = None
+    limit: TimeLimit | None = None
 
     @property
     def attempt(self) -> int:
@@ -243,7 +256,7 @@ class DeliveryPipeline:
         if delivery is None:
             return self.settle(lease, verdict)
         if self.heartbeat is not None:
-            self.heartbeat.watch(lease, delivery.keep_alive)
+            self.heartbeat.watch(lease, delivery.keep_alive, lambda who: self._on_abort(delivery, who))
         try:
             try:
                 verdict = self._guarded_run(delivery)
@@ -347,20 +360,28 @@ class DeliveryPipeline:
             self.metrics.observe("jobs_wait_seconds", _since(env.available_at), queue=queue)
         start = time.monotonic()
         deadline = start + timeout if timeout else None
+        # Set before the check: an abort the heartbeat passes on from here reaches the run.
+        d.context = context = JobContext(env, d.attempt, deadline, d.lease)
+        d.limit = limit = TimeLimit(timeout)
+        if d.aborted_by is not None:  # asked before it started: it does not run
+            return self._cancelled(d, None, 0.0, count_run=False)
         if deadline is not None and self.heartbeat is not None:
-            self.heartbeat.arm(deadline + HARD_TIMEOUT_GRACE, lambda: self.settle_timed_out(d))
-        context = JobContext(env, d.attempt, deadline, d.lease)
+            # An abort's own deadline may be armed already: the earlier one stands.
+            self.heartbeat.arm(deadline + HARD_TIMEOUT_GRACE, lambda: self.settle_timed_out(d), earliest=True)
         d.started_at = timezone.now()
         emit(job_started, d.handler, envelope=env, attempt=d.attempt, context=context)
         try:
-            error, value = _call(d, context, timeout)
+            error, value = _call(d, context, limit)
             if error is None and env.options.get("keep_result"):
                 error = _unstorable(value)
         finally:
+            d.limit = None
             if self.heartbeat is not None:
                 self.heartbeat.disarm()
         seconds = time.monotonic() - start
         self.metrics.observe("jobs_exec_seconds", seconds, queue=queue)
+        if d.aborted_by is not None:
+            return self._cancelled(d, error, seconds)
         if error is None:
             return Verdict(Outcome.ACKED, seconds=seconds, started_at=d.started_at, value=value, handler=d.handler)
         return self._failed(d, error, seconds)
@@ -407,8 +428,62 @@ class DeliveryPipeline:
                 return False
         return True
 
+    # -- aborting --
+
+    def _on_abort(self, d: Delivery, requested_by: str) -> None:
+        """Heartbeat thread, once per delivery: the job was asked to abort. Its context says so
+        at once; ``JobAborted`` is raised in it after ``ABORT_GRACE``; and if it is still running
+        ``HARD_TIMEOUT_GRACE`` after that, it is settled cancelled and the process ends, as on a
+        hard timeout."""
+        grace = float(conf.get("ABORT_GRACE"))
+        d.aborted_by = requested_by
+        logger.warning(
+            "job %s: %s; stopping it",
+            d.env.id,
+            JobAborted.describe(requested_by),
+            extra=lease_fields(d.lease, d.attempt),
+        )
+        if d.context is not None:
+            d.context.aborted = True
+        limit = d.limit
+        if limit is not None:
+            limit.abort(requested_by, grace)
+            if self.heartbeat is not None:
+                self.heartbeat.arm(
+                    time.monotonic() + grace + HARD_TIMEOUT_GRACE, lambda: self.settle_aborted(d), earliest=True
+                )
+
+    def _cancelled(self, d: Delivery, exc: BaseException | None, seconds: float, *, count_run: bool = True) -> Verdict:
+        """An aborted run, however it ended: cancelled for good, whatever retries it had left."""
+        who = d.aborted_by or "unknown"
+        return Verdict(
+            Outcome.CANCELLED,
+            JobAborted.describe(who),
+            count_run=count_run,
+            seconds=seconds,
+            exception=exc,
+            started_at=d.started_at,
+            handler=d.handler,
+            requested_by=who,
+        )
+
+    def settle_aborted(self, d: Delivery) -> None:
+        """Heartbeat thread: the aborted job ignored ``JobAborted``; settle it as cancelled
+        (the process then ends)."""
+        exc = JobAborted(f"did not stop {HARD_TIMEOUT_GRACE:g}s after the abort grace and was killed")
+        logger.critical(
+            "job %s is stuck past its abort grace; settling it as cancelled",
+            d.env.id,
+            extra=lease_fields(d.lease, d.attempt),
+        )
+        self.settle(d.lease, self._cancelled(d, exc, seconds=0.0), retries=())
+
     def settle_timed_out(self, d: Delivery) -> None:
-        """Heartbeat thread: the attempt ignored its soft timeout; settle it as a failed run."""
+        """Heartbeat thread: the attempt ignored its soft timeout; settle it as a failed run
+        (as cancelled, when it was asked to abort)."""
+        if d.aborted_by is not None:
+            self.settle_aborted(d)
+            return
         exc = JobTimeout(f"attempt exceeded its timeout by {HARD_TIMEOUT_GRACE:g}s and was killed")
         logger.critical(
             "job %s is stuck past its timeout; settling it as failed", d.env.id, extra=lease_fields(d.lease, d.attempt)
@@ -481,6 +556,8 @@ class DeliveryPipeline:
             self.retrying(
                 self.backend.nack, retries, lease, verdict.delay, error=verdict.error or "", count_run=count_run
             )
+        elif outcome is Outcome.CANCELLED:
+            self.retrying(self.backend.cancel, retries, lease, verdict.error or "", count_run=count_run)
         else:  # DEAD_LETTERED or REJECTED
             self.retrying(self.backend.abandon, retries, lease, verdict.error or "", count_run=count_run)
 
@@ -516,6 +593,8 @@ class DeliveryPipeline:
                  result=verdict.value, seconds=verdict.seconds)  # fmt: skip
         elif outcome is Outcome.REQUEUED and verdict.count_run:
             self._history(env, attempt, AttemptOutcome.RETRYING, verdict)
+        elif outcome is Outcome.CANCELLED:
+            self._history(env, attempt, AttemptOutcome.CANCELLED, verdict, worker=verdict.requested_by)
         elif outcome is Outcome.DEAD_LETTERED:
             if verdict.count_run:
                 self._history(env, attempt, AttemptOutcome.FAILED, verdict)
@@ -523,7 +602,7 @@ class DeliveryPipeline:
             emit(job_dead_lettered, verdict.handler or env.handler, envelope=env, error=verdict.error or "",
                  attempts=runs)  # fmt: skip
 
-    def _history(self, env: Envelope, attempt: int, outcome: str, verdict: Verdict) -> None:
+    def _history(self, env: Envelope, attempt: int, outcome: str, verdict: Verdict, worker: str | None = None) -> None:
         exc = verdict.exception
         history.record(
             env.id,
@@ -532,6 +611,7 @@ class DeliveryPipeline:
             started_at=verdict.started_at,
             error=verdict.error or "",
             error_class=history.error_class(exc) if exc is not None else "",
+            worker=worker,
             using=self.backend.history_alias,
         )
 
@@ -548,6 +628,8 @@ class DeliveryPipeline:
             self.metrics.increment(verdict.counter or "jobs_rejected_payload", queue=queue)
         elif outcome is Outcome.DEAD_LETTERED and env is not None:
             self.metrics.increment("jobs_failed_permanently", queue=queue)
+        elif outcome is Outcome.CANCELLED:
+            self.metrics.increment("jobs_aborted", queue=queue)
 
 
 class _KeyHold:
@@ -567,13 +649,13 @@ class _KeyHold:
             self.guard.failed(self.key, self.owner)
 
 
-def _call(d: Delivery, context: JobContext, timeout: float | None) -> tuple[BaseException | None, Any]:
+def _call(d: Delivery, context: JobContext, limit: TimeLimit) -> tuple[BaseException | None, Any]:
     """Run the handler once; return what it raised, or ``None`` and what it returned. Whatever
     it raises (``SystemExit`` and ``KeyboardInterrupt`` included) is the run's failure, not the
     worker's end. A forked child of the job that unwinds out of it exits here, so it never
     becomes a second worker."""
     try:
-        with time_limit(timeout):
+        with limit:
             value = d.handler.handle(context)
     except BaseException as exc:  # noqa: BLE001 - see above
         _exit_if_forked(d, exc)
@@ -611,6 +693,7 @@ _LEVELS = {
     Outcome.SKIPPED_IDEMPOTENT: logging.INFO,
     Outcome.DEAD_LETTERED: logging.ERROR,
     Outcome.REJECTED: logging.ERROR,
+    Outcome.CANCELLED: logging.WARNING,
 }
 
 
@@ -633,6 +716,8 @@ def _log_result(lease: Lease, result: WorkerResult) -> None:
         logger.log(
             level, "job %s (%s) failed permanently after %d run(s): %s", env.id, name, runs, first_line, extra=extra
         )
+    elif result.status is Outcome.CANCELLED:
+        logger.log(level, "job %s (%s) cancelled: %s", env.id, name, first_line, extra=extra)
     elif label == DEFERRED:
         why = "its idempotency key or single-instance lock is held by another delivery"
         logger.log(level, "job %s (%s) deferred: %s", env.id, name, why, extra=extra)

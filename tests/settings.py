@@ -130,6 +130,8 @@ JOBS = {
     "ALLOWED_COMMANDS": ["clearsessions"],
     # Modules of @job functions the tests dispatch, outside tests/testapp/jobs.py.
     "IMPORTS": ["tests.api_support"],
+    # A function handler that takes its context (tests of aborting a running job).
+    "HANDLERS": {"abortable": "tests.testapp.jobs.abortable"},
 }
 # django.tasks on django-jobs: one TASKS alias per JOBS backend the task tests run on
 # (tests/testapp/tasks.py defines the tasks; worker subprocesses find them by autodiscovery).
@@ -150,6 +152,8 @@ if os.environ.get("JOBS_TEST_IDEMPOTENCY_REDIS"):
     JOBS["IDEMPOTENCY_CACHE"] = "idem"
 if os.environ.get("JOBS_TEST_LEASE_TIMEOUT"):
     JOBS["LEASE_TIMEOUT"] = float(os.environ["JOBS_TEST_LEASE_TIMEOUT"])
+if os.environ.get("JOBS_TEST_ABORT_GRACE"):
+    JOBS["ABORT_GRACE"] = float(os.environ["JOBS_TEST_ABORT_GRACE"])
 
 LOGGING = {
     "version": 1,

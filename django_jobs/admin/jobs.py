@@ -1,4 +1,5 @@
-"""Admin: the job list and job page; retry failed or cancelled jobs, cancel pending ones."""
+"""Admin: the job list and job page; retry failed or cancelled jobs, cancel pending ones, abort
+pending or running ones."""
 
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ class JobAdmin(admin.ModelAdmin):
     list_filter = ("status", "queue", "handler", "backend")
     search_fields = ("id", "name", "handler", "idempotency_key", "last_error")
     date_hierarchy = "created_at"
-    actions = ["retry", "cancel"]
+    actions = ["retry", "cancel", "abort"]
     available = shown_to_the_second("available_at")
     leased = shown_to_the_second("leased_until")
     created = shown_to_the_second("created_at")
@@ -202,7 +203,7 @@ class JobAdmin(admin.ModelAdmin):
         return False  # jobs are read-only records; retry and cancel are the ways to change one
 
     def has_operate_permission(self, request: HttpRequest) -> bool:
-        """May retry and cancel jobs: ``django_jobs.change_job``."""
+        """May retry, cancel and abort jobs: ``django_jobs.change_job``."""
         allowed: bool = request.user.has_perm("django_jobs.change_job")
         return allowed
 
@@ -212,6 +213,7 @@ class JobAdmin(admin.ModelAdmin):
         return [
             path("<path:object_id>/retry/", wrap(self.retry_view), name=f"{prefix}_retry"),
             path("<path:object_id>/cancel/", wrap(self.cancel_view), name=f"{prefix}_cancel"),
+            path("<path:object_id>/abort/", wrap(self.abort_view), name=f"{prefix}_abort"),
             *super().get_urls(),
         ]
 
@@ -235,15 +237,17 @@ class JobAdmin(admin.ModelAdmin):
         return response
 
     def _buttons(self, obj: Job) -> list[dict[str, str]]:
-        """The job page's Retry or Cancel button, as the job's status allows."""
+        """The job page's Retry, Cancel or Abort button, as the job's status allows."""
         if obj.status in operations.RETRYABLE:
             return [{"name": "retry", "label": "Retry", "url": self._url("retry", obj)}]
         if obj.status == JobStatus.PENDING:
             return [{"name": "cancel", "label": "Cancel", "url": self._url("cancel", obj)}]
+        if obj.status == JobStatus.IN_PROGRESS:
+            return [{"name": "abort", "label": "Abort", "url": self._url("abort", obj)}]
         return []
 
     def _url(self, view: str, obj: Job | None = None) -> str:
-        """The URL of this admin's ``view`` (``changelist``, ``change``, ``retry``, ``cancel``)."""
+        """The URL of this admin's ``view`` (``changelist``, ``change``, ``retry``, ``cancel``, ``abort``)."""
         name = f"admin:{self.opts.app_label}_{self.opts.model_name}_{view}"
         url: str = reverse(name, args=[] if obj is None else [quote(obj.pk)])
         return url
@@ -301,6 +305,39 @@ class JobAdmin(admin.ModelAdmin):
     def cancel_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         """The job page's Cancel button (POST)."""
         return self._button(request, object_id, self.cancel)
+
+    # -- abort ----------------------------------------------------------------------------------
+
+    @admin.action(description="Abort selected jobs", permissions=["operate"])
+    def abort(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        """Cancel the pending jobs selected and stop the running ones (their workers end them
+        ``cancelled``); finished ones are left alone. Each abort is logged."""
+        user = request.user.get_username()
+        selected = {str(job.pk): job for job in queryset}
+        outcome = operations.abort_jobs(list(selected), f"admin:{user}")
+        for pk in outcome.cancelled:
+            self.log_change(request, selected[pk], f"Aborted: {cancel_message(selected[pk])}")
+        for pk in outcome.asked:
+            self.log_change(request, selected[pk], "Aborted while running: its worker stops it")
+        if not outcome.stopped:
+            self.message_user(request, "No job was aborted: only pending or running jobs can be.", messages.ERROR)
+            return
+        self.message_user(
+            request,
+            f"Aborted {outcome.stopped} job(s): {len(outcome.cancelled)} cancelled before they ran, "
+            f"{len(outcome.asked)} running, stopped by their workers.",
+            messages.SUCCESS,
+        )
+        if outcome.finished:
+            self.message_user(
+                request,
+                f"{len(outcome.finished)} selected job(s) had already finished and were left alone.",
+                messages.WARNING,
+            )
+
+    def abort_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """The job page's Abort button (POST)."""
+        return self._button(request, object_id, self.abort)
 
     def _button(
         self, request: HttpRequest, object_id: str, action: Callable[[HttpRequest, QuerySet[Job]], None]

@@ -12,7 +12,7 @@ from typing import Any, Literal, NamedTuple
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from ..envelope import Envelope
-from ..exceptions import InvalidPayload, LeaseLost
+from ..exceptions import AbortNotSupported, InvalidPayload, LeaseLost
 
 # ``Lease.result`` of a run whose value is not kept (``None`` is a value: the job returned it).
 NO_RESULT: Any = object()
@@ -43,6 +43,10 @@ class Lease:
     # it): its start is recorded with ``begin`` before it runs, so a job that kills its worker
     # is counted from its second crash on.
     must_begin: bool = False
+
+
+# What :meth:`QueueBackend.request_abort` did.
+AbortRequest = Literal["cancelled", "asked", "unknown"]
 
 
 class LiveJob(NamedTuple):
@@ -146,8 +150,27 @@ class QueueBackend(ABC):
         return None
 
     @abstractmethod
-    def extend(self, lease: Lease, seconds: float) -> None:
-        """Heartbeat: push the lease's expiry ``seconds`` from now."""
+    def extend(self, lease: Lease, seconds: float) -> str | None:
+        """Heartbeat: push the lease's expiry ``seconds`` from now. Returns who asked to abort
+        the job (``requested_by`` of :meth:`request_abort`), or ``None``: backends that cannot
+        abort a running job always return ``None``."""
+
+    def request_abort(self, job_id: str, requested_by: str) -> AbortRequest:
+        """Abort a job this backend holds and the ``Job`` table does not: a waiting one is taken
+        out and recorded ``cancelled`` (``"cancelled"``); a running one is flagged for its
+        worker's heartbeat (``"asked"``); ``"unknown"``: not held (settled, or never seen).
+        Raises ``AbortNotSupported`` when the backend cannot look a job up by id (the default)."""
+        raise AbortNotSupported(f"backend {self.name!r} cannot abort a job by its id")
+
+    def cancel(self, lease: Lease, reason: str, *, count_run: bool = True) -> None:
+        """Settle an aborted run as ``cancelled`` for good (never retried), fenced like every
+        settle: the default acks the message and keeps a cancelled ``Job`` row with ``reason``."""
+        from ..audit import record_cancelled  # the models load after the app registry
+
+        self.ack(lease, count_run=count_run)
+        if lease.envelope is not None:
+            env = lease.envelope
+            record_cancelled(env, reason, self.name, env.attempts + int(count_run), lease.queue)
 
     @abstractmethod
     def reap_expired(self, queue: str | None = None) -> int:

@@ -458,22 +458,37 @@ class DatabaseBackend(QueueBackend):
             [int(count_run), self._adapt(timezone.now()), error],
         )
 
+    def cancel(self, lease: Lease, reason: str, *, count_run: bool = True) -> None:
+        self._settle(
+            lease,
+            "status = 'cancelled', attempts = attempts + %s, finished_at = %s, last_error = %s",
+            [int(count_run), self._adapt(timezone.now()), reason],
+        )
+
     def keep_result(self, lease: Lease, value: Any) -> None:
         """Nothing to do: the ack wrote the result into the job's own row."""
 
-    def extend(self, lease: Lease, seconds: float) -> None:
-        self._prolong(lease, seconds)
+    def extend(self, lease: Lease, seconds: float) -> str | None:
+        return self._prolong(lease, seconds)
 
-    def _prolong(self, lease: Lease, seconds: float, also: str = "") -> None:
-        """Push the lease's expiry (fenced); ``also``: more assignments in the same UPDATE."""
+    def _prolong(self, lease: Lease, seconds: float, also: str = "") -> str | None:
+        """Push the lease's expiry (fenced); ``also``: more assignments in the same UPDATE.
+        Returns the row's ``abort_requested``: read by the same statement on PostgreSQL and
+        SQLite (``RETURNING``), by a second one elsewhere."""
         expires = timezone.now() + timedelta(seconds=seconds)
-        count, _ = self._execute_queue(
-            f"UPDATE {TABLE} SET {also}leased_until = %s WHERE id = %s AND owner_token = %s",
-            [self._adapt(expires), lease.token, lease.owner_token],
-        )
-        if count != 1:
+        sql = f"UPDATE {TABLE} SET {also}leased_until = %s WHERE id = %s AND owner_token = %s"
+        params = [self._adapt(expires), lease.token, lease.owner_token]
+        if self._conn.vendor in ("postgresql", "sqlite"):
+            _, row = self._execute_queue(f"{sql} RETURNING abort_requested", params)
+        else:
+            count, _ = self._execute_queue(sql, params)
+            row = (
+                self._execute(f"SELECT abort_requested FROM {TABLE} WHERE id = %s", [lease.token])[1] if count else None
+            )
+        if row is None:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
         lease.expires_at = expires
+        return cast("str | None", row[0])
 
     def reap_expired(self, queue: str | None = None) -> int:
         """Each expired lease counts as a failed run: requeued with backoff, or failed.

@@ -4,7 +4,8 @@ Per queue: a waiting zset (priority, then FIFO), a delayed zset (due time), a pr
 (lease deadlines) with an owners hash (fencing tokens), a failed zset kept for audit, and the
 message bodies. An idle worker blocks on a notify list instead of polling. ``fetch_many`` claims
 a batch ahead of its run: an ahead hash marks those claims, so the reaper hands a lost one back
-without counting a run until the worker ``begin``s it.
+without counting a run until the worker ``begin``s it. An aborts hash flags running jobs asked to
+abort; the heartbeat's extend reads it.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from django.core.exceptions import ImproperlyConfigured
 
 from .. import conf
 from ..envelope import Envelope
-from ..exceptions import InvalidPayload, LeaseLost, WorkerLost
+from ..exceptions import InvalidPayload, JobAborted, LeaseLost, WorkerLost
 from ..retry import after_lost_run
 from . import require
-from .base import Lease, LiveJob, QueueBackend, decode_lease_body
+from .base import AbortRequest, Lease, LiveJob, QueueBackend, decode_lease_body
 
 redis = require("redis", "redis")
 
@@ -41,6 +42,7 @@ SCRIPTS = (
     "ack_many",
     "ack_many_fetch",
     "lose",
+    "abort",
 )
 # Priorities share a float64 score with a 40-bit sequence number: keep them exact.
 PRIORITY_LIMIT = 8000
@@ -67,6 +69,7 @@ class QueueKeys(NamedTuple):
     failed: str  # zset: failure time (ms) -> id, kept for audit
     errors: str  # hash: id -> last error
     ahead: str  # hash: id -> "1" claimed ahead of its run, "2" and an earlier such claim was lost
+    aborts: str  # hash: id -> who asked to abort the running job (its heartbeat reads it)
 
     @classmethod
     def of(cls, prefix: str, queue: str) -> QueueKeys:
@@ -273,18 +276,43 @@ class RedisBackend(QueueBackend):
     def lose_claims(self, queue: str, owner_token: str, running: str | None) -> None:
         self._run("lose", queue, owner_token, running or "", _ms())
 
-    def extend(self, lease: Lease, seconds: float) -> None:
-        self._prolong(lease, seconds, begin=False)
+    def extend(self, lease: Lease, seconds: float) -> str | None:
+        return self._prolong(lease, seconds, begin=False)
 
     def begin(self, lease: Lease, seconds: float) -> None:
         self._prolong(lease, seconds, begin=True)
         lease.must_begin = False
 
-    def _prolong(self, lease: Lease, seconds: float, *, begin: bool) -> None:
-        """Push the lease's deadline; ``begin`` also ends its claim ahead (a loss counts now)."""
+    def _prolong(self, lease: Lease, seconds: float, *, begin: bool) -> str | None:
+        """Push the lease's deadline; ``begin`` also ends its claim ahead (a loss counts now).
+        Returns who asked to abort the job, if anyone did."""
         deadline = _ms(time.time() + seconds)
-        self._fenced("extend", lease, deadline, int(begin))
+        reply = self._run("extend", lease.queue, lease.token, lease.owner_token, deadline, int(begin))
+        if not reply:
+            raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
         lease.expires_at = _from_ms(deadline)
+        return None if isinstance(reply, int) else _text(reply)
+
+    def request_abort(self, job_id: str, requested_by: str) -> AbortRequest:
+        """Looks in every queue of ``JOBS["QUEUES"]``: a waiting or delayed message is taken out
+        atomically and recorded as a cancelled ``Job`` row; a leased one is flagged."""
+        from ..audit import record_cancelled  # the models load after the app registry
+        from ..history import record
+        from ..models import AttemptOutcome
+
+        for queue in conf.queues():
+            reply = self._run("abort", queue, job_id, requested_by)
+            done = _text(reply[0])
+            if done == "asked":
+                return "asked"
+            if done == "cancelled":
+                envelope, _ = decode_lease_body(reply[1])
+                if envelope is not None:
+                    reason = JobAborted.describe(requested_by)
+                    record_cancelled(envelope, reason, self.name, envelope.attempts, queue)
+                    record(job_id, envelope.attempts + 1, AttemptOutcome.CANCELLED, error=reason, worker=requested_by)
+                return "cancelled"
+        return "unknown"
 
     def reap_expired(self, queue: str | None = None) -> int:
         """Each expired lease counts as a failed run: requeued with backoff, or failed. One

@@ -23,11 +23,11 @@ from django.db import connections, transaction
 from django.test import override_settings
 from django.utils import timezone
 
-from django_jobs import history, signing
+from django_jobs import Jobs, history, signing
 from django_jobs.backends import get_backend
 from django_jobs.backends.base import Lease, QueueBackend
 from django_jobs.envelope import Envelope
-from django_jobs.exceptions import LeaseLost
+from django_jobs.exceptions import AbortNotSupported, LeaseLost
 from django_jobs.history import attempts_of
 from django_jobs.metrics import get_collector
 from django_jobs.models import Job, JobAttempt
@@ -279,6 +279,22 @@ def test_extend_pushes_the_lease_expiry(queue_backend, backend_case):
             row = record(backend_case, backend, env.id)
             assert row.leased_until >= before + timedelta(seconds=3590)
         backend.ack(lease)  # the extended lease is still the owner
+
+
+def test_extend_says_who_asked_to_abort_the_job_where_one_can_ask(queue_backend, backend_case):
+    require_queue(queue_backend)
+    env = enqueue(queue_backend, backend_case)
+    lease = fetch(queue_backend)
+    assert queue_backend.extend(lease, 60) is None  # nobody asked
+
+    try:
+        state = Jobs.abort(env.id, "ops")
+    except AbortNotSupported:  # a backend that cannot find a job by id is never asked
+        assert queue_backend.extend(lease, 60) is None
+    else:
+        assert state == "aborting"
+        assert queue_backend.extend(lease, 60) == "ops"
+    queue_backend.ack(lease)  # the lease is still the owner
 
 
 @pytest.mark.parametrize("op", ["ack", "nack", "abandon", "extend"])

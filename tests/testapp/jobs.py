@@ -8,6 +8,7 @@ import sys
 import time
 
 from django_jobs import job
+from django_jobs.pipeline import JobContext
 
 from .models import SideEffect
 
@@ -55,6 +56,26 @@ def scripted(
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM})
         time.sleep(3600)
     return action
+
+
+def abortable(context: JobContext) -> str:
+    """A ``JOBS["HANDLERS"]`` handler (``abortable``) that runs until it is aborted, as its
+    payload's ``mode`` says: ``cooperative`` checks ``context.aborted`` every 0.1 s and returns;
+    ``sleep`` sleeps in one long ``time.sleep`` (only ``JobAborted`` interrupts it); ``masked``
+    blocks the signals first (only the end of its process stops it). It records a run under
+    the payload's ``key`` in ``db`` when it starts."""
+    payload = context.payload
+    _record(payload.get("key"), payload.get("db", "default"))
+    mode = payload.get("mode", "cooperative")
+    if mode == "cooperative":
+        deadline = time.monotonic() + 120  # a safety net: the test aborts it long before
+        while not context.aborted and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return "stopped"
+    if mode == "masked":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM})
+    time.sleep(3600)
+    return mode
 
 
 class _Unprintable(Exception):

@@ -11,6 +11,7 @@ local notify_key = KEYS[8]      -- list: wakes blocked workers
 local failed_key = KEYS[9]      -- zset: failure ms -> id, kept for audit
 local errors_key = KEYS[10]     -- hash: id -> last error
 local ahead_key = KEYS[11]      -- hash: id -> '1' claimed ahead of its run, '2' and an earlier such claim was lost
+local aborts_key = KEYS[12]     -- hash: id -> who asked to abort the job (read by extend.lua)
 
 -- 2^40: one priority step in a waiting score, above any sequence number.
 local PRIORITY_STEP = 1099511627776
@@ -34,9 +35,11 @@ local function release(id)
   redis.call('HDEL', ahead_key, id)
 end
 
+-- Failed for good: kept for audit; an abort asked of it is moot.
 local function fail(id, now, err)
   redis.call('ZADD', failed_key, now, id)
   redis.call('HSET', errors_key, id, err)
+  redis.call('HDEL', aborts_key, id)
 end
 
 local function requeue(id, due, now)
@@ -47,12 +50,13 @@ local function requeue(id, due, now)
   end
 end
 
--- The message is done: forget it.
+-- The message is done: forget it. (A requeue keeps an abort asked of it: its next run stops.)
 local function forget(id)
   release(id)
   redis.call('HDEL', bodies_key, id)
   redis.call('HDEL', priorities_key, id)
   redis.call('HDEL', errors_key, id)
+  redis.call('HDEL', aborts_key, id)
 end
 
 -- Make due delayed messages ready.

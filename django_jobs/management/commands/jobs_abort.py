@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_jobs import operations
+
+
+class Command(BaseCommand):
+    help = "Abort jobs: cancel waiting ones, stop running ones (the admin's 'abort' action)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("ids", nargs="+", help="ids of pending or running jobs")
+        parser.add_argument("--by", default="command", help="who asks, recorded with the attempt (default: command)")
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        outcome = operations.abort_jobs(opts["ids"], opts["by"])
+        for error in outcome.errors:
+            self.stderr.write(error)
+        for job_id in outcome.unknown:
+            self.stderr.write(f"{job_id}: no such job")
+        for job_id, status in outcome.finished.items():
+            self.stderr.write(f"{job_id}: already finished (it is {status}); left alone")
+        for name in outcome.unsupported:
+            self.stdout.write(f"note: backend {name!r} cannot abort a job by its id")
+        for job_id in outcome.cancelled:
+            self.stdout.write(f"{job_id}: cancelled")
+        for job_id in outcome.asked:
+            self.stdout.write(f"{job_id}: running; its worker is stopping it")
+        self.stdout.write(f"aborted {outcome.stopped} job(s)")
+        if not outcome.stopped:
+            raise CommandError("none of the given jobs was aborted or cancelled")

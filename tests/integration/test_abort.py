@@ -1,0 +1,317 @@
+"""Aborting jobs (``operations.abort_jobs``, ``Jobs.abort``, ``jobs_abort``, the admin's *Abort*
+action and button): a pending job is cancelled at once, a running one is flagged and its
+worker's heartbeat stops it, a finished one is left alone. On the database backend (SQLite and
+PostgreSQL) and on Redis; the brokers that cannot look a job up by id say so."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.contrib.admin.models import LogEntry
+from django.contrib.auth.models import Permission
+from django.core.management import CommandError, call_command
+from django.urls import reverse
+
+from django_jobs import Jobs, operations
+from django_jobs.exceptions import AbortNotSupported
+from django_jobs.heartbeat import Heartbeat
+from django_jobs.metrics import InMemoryMetricsCollector
+from django_jobs.models import Job, JobAttempt
+from django_jobs.pipeline import JobContext
+from django_jobs.worker import QueueWorker
+from tests.api_support import alias, row
+from tests.testapp.jobs import scripted
+
+pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
+
+# The worker whose heartbeat ``aborts_itself`` beats by hand, and what that job saw.
+WORKER: dict[str, QueueWorker] = {}
+SEEN: list[bool] = []
+
+
+def aborts_itself(context: JobContext) -> str:
+    """A ``JOBS["HANDLERS"]`` handler: asks to abort its own job, lets the heartbeat beat once
+    on this thread, and notes whether its context then says it was aborted. ``sleep`` in its
+    payload: then it sleeps that long (``JobAborted`` interrupts it)."""
+    Jobs.abort(context.job_id)
+    WORKER["worker"].heartbeat._beat(context.lease, ())
+    SEEN.append(context.aborted)
+    if context.payload.get("sleep"):
+        time.sleep(context.payload["sleep"])
+    return "finished anyway"
+
+
+@pytest.fixture
+def self_aborting(settings: Any) -> Iterator[Callable[[float], None]]:
+    """Registers ``aborts_itself``; call the fixture's value with the ``ABORT_GRACE`` to use."""
+
+    def grace(seconds: float) -> None:
+        handlers = {"aborts-itself": f"{__name__}.aborts_itself"}
+        settings.JOBS = {**settings.JOBS, "HANDLERS": handlers, "ABORT_GRACE": seconds}
+
+    SEEN.clear()
+    yield grace
+    WORKER.clear()
+
+
+def attempts_of(db: str, job_id: str) -> list[tuple[int, str, str, str]]:
+    return [
+        (a.attempt, a.outcome, a.worker_id, a.error)
+        for a in JobAttempt.objects.using(db).filter(job_id=job_id).order_by("id")
+    ]
+
+
+def told_on_beat_of(queue: Any, lease: Any) -> list[str]:
+    """Beat ``lease`` once: who the heartbeat was told asked to abort its job."""
+    beat, told = Heartbeat(queue, lease_seconds=30), []
+    beat.watch(lease, (), told.append)
+    beat._beat(lease, ())
+    return told
+
+
+def command(*args: str) -> tuple[str, str]:
+    out, err = StringIO(), StringIO()
+    try:
+        call_command("jobs_abort", *args, stdout=out, stderr=err)
+    except CommandError as exc:
+        err.write(f"CommandError: {exc}")
+    return out.getvalue(), err.getvalue()
+
+
+# -- pending, running, finished: the database backend -------------------------------------------
+
+
+def test_aborting_a_pending_job_cancels_it_with_who_asked(backend):
+    job_id = scripted.using(backend=backend, max_retries=3).dispatch(action="ok", key="a-pending")
+
+    outcome = operations.abort_jobs([job_id], "admin:boss")
+
+    assert (outcome.cancelled, outcome.asked, outcome.finished, outcome.unknown) == ([job_id], [], {}, [])
+    cancelled = row(backend, job_id)
+    assert (cancelled.status, cancelled.last_error, cancelled.attempts) == ("cancelled", "Aborted by boss (admin)", 0)
+    assert attempts_of(alias(backend), job_id) == [(1, "cancelled", "admin:boss", "Aborted by boss (admin)")]
+    assert QueueWorker(backend).process_once().status == "empty"
+
+
+def test_aborting_a_running_job_flags_it_and_a_beat_tells_the_worker(backend):
+    job_id = scripted.using(backend=backend).dispatch(action="ok")
+    queue = Jobs.backend(backend)
+    lease = queue.fetch("default")
+    assert lease is not None and lease.token == job_id
+    beat = Heartbeat(queue, lease_seconds=30)
+    told: list[str] = []
+    beat.watch(lease, (), told.append)
+
+    beat._beat(lease, ())
+    assert told == []  # not asked yet
+    assert Jobs.abort(job_id, "ops") == "aborting"
+    assert row(backend, job_id).status == "in_progress"  # it runs on until its worker stops it
+    beat._beat(lease, ())
+    beat._beat(lease, ())
+
+    assert told == ["ops"]  # told once
+    assert row(backend, job_id).leased_until == lease.expires_at  # the beat still extended it
+
+
+def told_on_beat(queue_name: str) -> list[str]:
+    """Fetch the next job of ``queue_name``'s default queue and beat it once: who asked to abort it."""
+    queue = Jobs.backend(queue_name)
+    lease = queue.fetch("default")
+    assert lease is not None
+    return told_on_beat_of(queue, lease)
+
+
+def test_an_abort_outlives_a_requeue_and_a_retry_clears_it(backend):
+    job_id = scripted.using(backend=backend, max_retries=3).dispatch(action="ok")
+    queue = Jobs.backend(backend)
+    lease = queue.fetch("default")
+    assert Jobs.abort(job_id, "ops") == "aborting"
+    queue.nack(lease, 0, error="boom")  # that run failed before a beat saw the abort
+
+    assert told_on_beat(backend) == ["ops"]  # its next run is stopped at its first beat
+    Job.objects.using(alias(backend)).filter(pk=job_id).update(status="cancelled", owner_token=None)
+    assert operations.retry_jobs(Job.objects.using(alias(backend)).filter(pk=job_id)).retried == 1
+
+    assert row(backend, job_id).abort_requested is None
+    assert told_on_beat(backend) == []
+
+
+def test_aborting_a_finished_job_leaves_it_alone(backend):
+    job_id = scripted.using(backend=backend).dispatch(action="ok")
+    assert QueueWorker(backend).process_once().status == "acked"
+    before = row(backend, job_id)
+
+    assert Jobs.abort(job_id) == "finished"
+    out, err = command(job_id)
+
+    assert f"{job_id}: already finished (it is completed); left alone" in err
+    assert "CommandError: none of the given jobs was aborted or cancelled" in err
+    assert "aborted 0 job(s)" in out
+    after = row(backend, job_id)
+    assert (after.status, after.updated_at, after.abort_requested) == ("completed", before.updated_at, None)
+    assert not JobAttempt.objects.using(alias(backend)).filter(job_id=job_id, outcome="cancelled").exists()
+
+
+def test_jobs_abort_reports_each_id_and_records_its_by_name(backend):
+    pending = scripted.using(backend=backend).dispatch(action="ok")
+
+    out, err = command(pending, "no-such-job", "--by", "deploy-script")
+
+    assert f"{pending}: cancelled" in out and "aborted 1 job(s)" in out
+    assert "no-such-job: no such job" in err and "CommandError" not in err
+    assert attempts_of(alias(backend), pending)[0][1:3] == ("cancelled", "deploy-script")
+
+
+def test_an_id_no_backend_holds_is_refused_naming_the_backends_that_cannot_look(redis_up):
+    with pytest.raises(AbortNotSupported, match="'beanstalk'.*'servicebus'"):
+        Jobs.abort("no-such-job")
+
+
+# -- the worker: a flag seen by a beat stops the run, which ends cancelled ----------------------
+
+
+def test_a_job_told_to_abort_sees_it_and_ends_cancelled_never_retried(backend, self_aborting):
+    self_aborting(60)  # it returns long before JobAborted could interrupt it
+    job_id = Jobs.define("aborts-itself", {}).max_retries(3).dispatch(backend=backend)
+    metrics = InMemoryMetricsCollector()
+    WORKER["worker"] = worker = QueueWorker(backend, metrics=metrics)
+
+    result = worker.process_once()
+
+    assert SEEN == [True]
+    assert (result.status, result.label, result.error) == ("cancelled", "cancelled", "Aborted by api")
+    ended = row(backend, job_id)
+    assert (ended.status, ended.attempts, ended.last_error) == ("cancelled", 1, "Aborted by api")
+    [attempt] = JobAttempt.objects.using(alias(backend)).filter(job_id=job_id)
+    assert (attempt.outcome, attempt.worker_id, attempt.error_class) == ("cancelled", "api", "")
+    assert metrics.get("jobs_aborted", queue="default") == 1
+    assert worker.process_once().status == "empty"  # no retry
+
+
+def test_a_job_that_ignores_the_abort_is_interrupted_by_job_aborted_after_the_grace(backend, self_aborting):
+    self_aborting(0.05)
+    job_id = Jobs.define("aborts-itself", {"sleep": 30}).max_retries(3).dispatch(backend=backend)
+    WORKER["worker"] = worker = QueueWorker(backend)
+
+    result = worker.process_once()
+
+    assert result.status == "cancelled" and type(result.exception).__name__ == "JobAborted"
+    assert row(backend, job_id).status == "cancelled"
+    [attempt] = JobAttempt.objects.using(alias(backend)).filter(job_id=job_id)
+    assert (attempt.outcome, attempt.error_class) == ("cancelled", "django_jobs.exceptions.JobAborted")
+
+
+# -- Redis --------------------------------------------------------------------------------------
+
+
+def redis_job(capture: Any, **options: Any) -> str:
+    """A scripted job sent to Redis now (a dispatch waits for the test's transaction to commit)."""
+    with capture(execute=True):
+        return scripted.using(backend="redis", **options).dispatch(action="ok")
+
+
+def test_redis_takes_a_waiting_job_out_and_records_it_cancelled(redis_up, django_capture_on_commit_callbacks):
+    job_id = redis_job(django_capture_on_commit_callbacks, max_retries=3)
+
+    assert Jobs.abort(job_id, "admin:boss") == "cancelled"
+
+    assert Jobs.backend("redis").peek(job_id) is None
+    cancelled = Job.objects.get(pk=job_id)
+    assert (cancelled.status, cancelled.backend, cancelled.last_error) == (
+        "cancelled",
+        "redis",
+        "Aborted by boss (admin)",
+    )
+    assert attempts_of("default", job_id) == [(1, "cancelled", "admin:boss", "Aborted by boss (admin)")]
+    assert QueueWorker("redis").process_once().status == "empty"
+
+
+def test_redis_flags_a_running_job_for_its_beat_and_the_settle_records_it(redis_up, django_capture_on_commit_callbacks):
+    job_id = redis_job(django_capture_on_commit_callbacks)
+    queue = Jobs.backend("redis")
+    lease = queue.fetch("default")
+    assert lease is not None
+
+    assert Jobs.abort(job_id, "ops") == "aborting"
+    assert told_on_beat_of(queue, lease) == ["ops"]
+    queue.cancel(lease, "Aborted by ops")
+
+    assert queue.peek(job_id) is None
+    assert redis_up.hget(queue.keys("default").aborts, job_id) is None  # the settle cleared the flag
+    cancelled = Job.objects.get(pk=job_id)
+    assert (cancelled.status, cancelled.attempts, cancelled.last_error) == ("cancelled", 1, "Aborted by ops")
+
+
+def test_redis_keeps_an_abort_through_a_requeue_and_a_new_dispatch_clears_it(
+    redis_up, django_capture_on_commit_callbacks
+):
+    job_id = redis_job(django_capture_on_commit_callbacks, max_retries=3)
+    queue = Jobs.backend("redis")
+    lease = queue.fetch("default")
+    assert Jobs.abort(job_id, "ops") == "aborting"
+    queue.nack(lease, 0, error="boom")
+
+    lease = queue.fetch("default")
+    assert told_on_beat_of(queue, lease) == ["ops"]
+    queue.dead_letter(lease, "Aborted by ops")
+    queue.enqueue(lease.envelope)  # a retry dispatches it again
+
+    assert told_on_beat_of(queue, queue.fetch("default")) == []
+
+
+# -- the admin ----------------------------------------------------------------------------------
+
+
+def test_the_admin_action_aborts_pending_and_running_jobs_and_logs_each(admin_client):
+    pending = scripted.dispatch(action="ok")
+    running = scripted.dispatch(action="ok")
+    lease = Jobs.backend("default").fetch("default")
+    assert lease is not None and lease.token == pending
+    pending, running = running, pending  # the first dispatched was claimed: it runs
+    done = scripted.dispatch(action="ok")
+    Job.objects.filter(pk=done).update(status="completed")
+
+    url = reverse("admin:django_jobs_job_changelist")
+    response = admin_client.post(url, {"action": "abort", "_selected_action": [pending, running, done]}, follow=True)
+
+    said = [str(m) for m in response.context["messages"]]
+    assert "Aborted 2 job(s): 1 cancelled before they ran, 1 running, stopped by their workers." in said
+    assert "1 selected job(s) had already finished and were left alone." in said
+    assert Job.objects.get(pk=pending).status == "cancelled"
+    assert Job.objects.get(pk=running).abort_requested == "admin:admin"
+    assert attempts_of("default", pending)[0][1:3] == ("cancelled", "admin:admin")
+    logged = {entry.object_id: entry.get_change_message() for entry in LogEntry.objects.all()}
+    assert logged == {
+        pending: "Aborted: Cancelled (was pending, never run)",
+        running: "Aborted while running: its worker stops it",
+    }
+
+
+def test_a_running_jobs_page_has_an_abort_button_that_posts(admin_client):
+    job_id = scripted.dispatch(action="ok")
+    assert Jobs.backend("default").fetch("default") is not None
+    page = reverse("admin:django_jobs_job_change", args=[job_id])
+    button = reverse("admin:django_jobs_job_abort", args=[job_id])
+
+    assert f'action="{button}"' in admin_client.get(page).content.decode()
+    assert admin_client.get(button).status_code == 405  # POST only
+    assert admin_client.post(button).status_code == 302
+
+    assert Job.objects.get(pk=job_id).abort_requested == "admin:admin"
+
+
+def test_a_view_only_staff_user_has_no_abort_button_and_is_refused(client, django_user_model):
+    viewer = django_user_model.objects.create_user("viewer", password="x", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_job"))
+    client.force_login(viewer)
+    job_id = scripted.dispatch(action="ok")
+    assert Jobs.backend("default").fetch("default") is not None
+    button = reverse("admin:django_jobs_job_abort", args=[job_id])
+
+    assert button not in client.get(reverse("admin:django_jobs_job_change", args=[job_id])).content.decode()
+    assert client.post(button).status_code == 403
+    assert Job.objects.get(pk=job_id).abort_requested is None
