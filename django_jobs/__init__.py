@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["JobBuilder", "Jobs", "QueueWorker", "RetryPolicy", "job"]
+__all__ = ["JobBuilder", "Jobs", "QueueWorker", "RetryPolicy", "chain", "group", "job"]
 
 if TYPE_CHECKING:
     from .api import JobBuilder, Jobs, job
+    from .flows import chain, group
     from .retry import RetryPolicy
     from .worker import QueueWorker
 
@@ -19,6 +20,10 @@ def __getattr__(name: str) -> Any:
         from . import api
 
         return getattr(api, name)
+    if name in ("chain", "group"):
+        from . import flows
+
+        return getattr(flows, name)
     if name == "RetryPolicy":
         from .retry import RetryPolicy
 

@@ -10,7 +10,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypedDict, TypeVar, Unpack, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypedDict, TypeVar, Unpack, cast, overload
 
 from django.apps import apps
 from django.core.signals import setting_changed
@@ -64,6 +64,9 @@ class JobOptions(TypedDict, total=False):
     retry_on: list[type[BaseException] | str] | tuple[type[BaseException] | str, ...]
     single_instance: bool | None
     keep_result: bool | None
+    # Ids of jobs this one waits for (a list or tuple, as ``retry_on``); per dispatch only.
+    depends_on: list[str] | tuple[str, ...] | None
+    run_if_parent_fails: bool | None
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(JobOptions.__annotations__)
@@ -81,6 +84,16 @@ class JobBuilder:
         self._opts: dict[str, Any] = {}
         # The @job function this builder calls, if any: the sender of job_dispatching.
         self._function: JobFunction[Any, Any] | None = None
+        # A prepared call (``prepare()``): its arguments are checked against the function's
+        # signature when it is built, once it is known whether a parent's result comes first.
+        self._check_at_build = False
+
+    def _copy(self) -> JobBuilder:
+        """Another builder of the same call and options (a chain or group adds its own)."""
+        other = JobBuilder(self._handler, self._payload)
+        other._opts = dict(self._opts)
+        other._function, other._check_at_build = self._function, self._check_at_build
+        return other
 
     def _set(self, **values: Any) -> JobBuilder:
         self._opts.update(values)
@@ -148,6 +161,26 @@ class JobBuilder:
         """Keep what the job returns (JSON) and its completed attempt in the history."""
         return self._set(keep_result=enabled)
 
+    def depends_on(self, *job_ids: str) -> JobBuilder:
+        """Wait until every job of ``job_ids`` finished (added to those already given). The job is
+        not counted as a run while it waits; a parent that fails or is cancelled settles it the
+        same way, unless :meth:`run_if_parent_fails`. Parents must be on the same backend."""
+        parents = list(self._opts.get("depends_on", ()))
+        for job_id in job_ids:
+            _check_job_id(job_id)
+            if job_id not in parents:
+                parents.append(job_id)
+        return self._set(depends_on=parents)
+
+    def run_if_parent_fails(self, enabled: bool = True) -> JobBuilder:
+        """Run once every parent finished, even when one failed or was cancelled."""
+        return self._set(run_if_parent_fails=bool(enabled))
+
+    def _pass_result_of(self, parent_id: str) -> JobBuilder:
+        """Wait for ``parent_id`` and get what it returned as the first argument (``chain(...,
+        pass_result=True)``; a ``JOBS["HANDLERS"]`` handler reads ``context.parent_result``)."""
+        return self.depends_on(parent_id)._set(result_of=parent_id)
+
     def single_instance(self, enabled: bool = True) -> JobBuilder:
         """Never run two jobs of this handler at once; a second delivery waits."""
         return self._set(single_instance=enabled)
@@ -161,6 +194,9 @@ class JobBuilder:
         for key, value in given.items():
             if key == "retry_on":
                 self.retry_on(*value)
+            elif key == "depends_on":
+                if value is not None:
+                    self.depends_on(*_id_list(value))
             elif key == "backoff":
                 self.backoff(**value)
             elif key in ("max_retries", "scheduled_at", "timeout") or (
@@ -183,6 +219,9 @@ class JobBuilder:
         if queue not in conf.queues():
             raise UnknownQueue(f"queue {queue!r} is not in JOBS['QUEUES'] ({', '.join(conf.queues())})")
         _check_idempotency_key(opts.get("idempotency_key"))
+        if self._check_at_build and self._function is not None:
+            call: dict[str, Any] = cast("dict[str, Any]", self._payload)  # a @job payload: {"args", "kwargs"}
+            self._function.check_call(tuple(call["args"]), call["kwargs"], parent_result="result_of" in opts)
         text = self._encoded()
         if _ESCAPED_NUL.search(text):
             raise InvalidPayload("payload contains U+0000, which PostgreSQL cannot store; encode binary data")
@@ -203,6 +242,11 @@ class JobBuilder:
                 raise DispatchCancelled(request.reason, self._handler)
             priority, timeout, available_at = request._resolved(now, available_at)
         options = {k: opts[k] for k in ("backoff", "retry_on", "single_instance", "keep_result") if opts.get(k)}
+        if opts.get("depends_on"):
+            options["parents"] = list(opts["depends_on"])
+            for key in ("run_if_parent_fails", "result_of"):
+                if opts.get(key):
+                    options[key] = opts[key]
         env = Envelope(
             id=new_id(),
             handler=self._handler,
@@ -268,6 +312,25 @@ def _check_priority(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"priority must be an int, not {type(value).__name__}")
     return value
+
+
+# The Job table's id column holds this many characters: a longer id names no job.
+JOB_ID_MAX_LENGTH = 64
+
+
+def _check_job_id(value: object) -> None:
+    """A parent's id, as ``dispatch()`` returned it: a non-empty str of at most 64 characters."""
+    if not isinstance(value, str):
+        raise TypeError(f"depends_on takes job ids (str), not {type(value).__name__}")
+    if not value or len(value) > JOB_ID_MAX_LENGTH or "\x00" in value:
+        raise ValueError(f"{value[:80]!r} is not a job id (a non-empty str of at most {JOB_ID_MAX_LENGTH} characters)")
+
+
+def _id_list(value: object) -> list[str]:
+    """``depends_on=``: a list or tuple of ids (a single str would be taken letter by letter)."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"depends_on must be a list of job ids, not {type(value).__name__}")
+    return list(value)
 
 
 def _check_timeout(value: float | None) -> float | None:
@@ -454,15 +517,24 @@ class JobFunction(Generic[P, R]):
         self.signature = inspect.signature(func)
         registry.register(self.key, self)
 
-    def check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def check_call(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, partial: bool = False, parent_result: bool = False
+    ) -> None:
         """Refuse at dispatch what would only fail in the worker: arguments that do not fit the
-        function's signature, and a function no worker process imports (see :func:`_check_importable`)."""
+        function's signature, and a function no worker process imports (see :func:`_check_importable`).
+
+        ``parent_result``: a parent's result comes first (``chain(..., pass_result=True)``);
+        ``partial``: arguments may be missing (a prepared call, checked in full when built)."""
         if self not in _importable:
             _check_importable(self)
         try:
-            self.signature.bind(*args, **kwargs)
+            if partial:
+                self.signature.bind_partial(*args, **kwargs)
+            else:
+                self.signature.bind(*((None,) if parent_result else ()), *args, **kwargs)
         except TypeError as exc:
-            raise TypeError(f"{self.key}(): {exc}") from None
+            passed = " (after the parent's result, its first argument)" if parent_result else ""
+            raise TypeError(f"{self.key}(): {exc}{passed}") from None
 
     def argument_problem(self, payload: Any) -> str | None:
         """Which argument of a refused ``{"args", "kwargs"}`` payload cannot travel as JSON, and
@@ -496,16 +568,26 @@ class JobFunction(Generic[P, R]):
             or not isinstance(payload.get("kwargs", {}), dict)
         ):
             raise InvalidPayload("a @job payload must be {'args': [...], 'kwargs': {...}}")
-        return self.func(*payload.get("args", []), **payload.get("kwargs", {}))
+        args = payload.get("args", [])
+        if "result_of" in context.envelope.options:  # a chain's step: its parent's result first
+            args = [context.parent_result, *args]
+        return self.func(*args, **payload.get("kwargs", {}))
 
     def using(self, **options: Unpack[JobOptions]) -> BoundJob[P, R]:
         """Override options for one dispatch: ``queue``, ``priority``, ``max_retries``,
-        ``timeout``, ``delay``, ``scheduled_at``, ``idempotency_key``, ``name``, ``backend``."""
+        ``timeout``, ``delay``, ``scheduled_at``, ``idempotency_key``, ``name``, ``backend``,
+        ``depends_on`` (parent job ids to wait for) and ``run_if_parent_fails``."""
         return BoundJob(self, {**self.defaults, **options})
 
     def builder(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
         """A :class:`JobBuilder` for this call, not yet sent (e.g. for ``Jobs.bulk``)."""
         return self.using().builder(*args, **kwargs)
+
+    def prepare(self, *args: Any, **kwargs: Any) -> JobBuilder:
+        """An unsent call, for :func:`~django_jobs.chain` and :func:`~django_jobs.group` (or
+        ``dispatch()`` it). In a ``chain(..., pass_result=True)`` the previous step's result
+        becomes its first argument: leave that one out here."""
+        return self.using().prepare(*args, **kwargs)
 
     def build(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
         """Deprecated: ``builder()``. (``JobBuilder.build()`` returns an envelope, not a builder.)"""
@@ -526,6 +608,16 @@ class BoundJob(Generic[P, R]):
     def builder(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
         """A :class:`JobBuilder` for this call, not yet sent (e.g. for ``Jobs.bulk``)."""
         self.function.check_call(args, kwargs)
+        return self._builder(args, kwargs)
+
+    def prepare(self, *args: Any, **kwargs: Any) -> JobBuilder:
+        """An unsent call with these options (see :meth:`JobFunction.prepare`)."""
+        self.function.check_call(args, kwargs, partial=True)
+        builder = self._builder(args, kwargs)
+        builder._check_at_build = True
+        return builder
+
+    def _builder(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> JobBuilder:
         builder = JobBuilder(self.function.key, {"args": list(args), "kwargs": kwargs})
         builder._function = self.function
         options: JobOptions = {"name": self.function.key, **self.options}
@@ -652,6 +744,8 @@ def job(
     unknown = set(options) - set(OPTION_NAMES)
     if unknown:
         raise TypeError(f"unknown @job option(s): {', '.join(sorted(unknown))}")
+    if "depends_on" in options:
+        raise TypeError("depends_on names the parents of one dispatch: pass it to using(), not @job")
 
     def wrap(f: Callable[P, R]) -> JobFunction[P, R]:
         return JobFunction(f, options)

@@ -44,6 +44,29 @@ class AbortNotSupported(JobsError):
     """The backend cannot abort a job by its id (it holds no row of a queued message)."""
 
 
+class DependenciesNotSupported(JobsError):
+    """A job with parents (``depends_on``, ``chain``, ``group(...).then``) was dispatched to a
+    backend that cannot hold a job until its parents finish."""
+
+
+class ParentFailed(JobsError):
+    """A parent of the job failed for good, so the job never ran (``run_if_parent_fails`` off)."""
+
+    @staticmethod
+    def describe(parent_id: str) -> str:
+        """The ``last_error`` of a job settled because ``parent_id`` failed."""
+        return f"ParentFailed: parent {parent_id} failed"
+
+
+class ParentCancelled(JobsError):
+    """A parent of the job was cancelled, so the job never ran (``run_if_parent_fails`` off)."""
+
+    @staticmethod
+    def describe(parent_id: str) -> str:
+        """The ``last_error`` of a job settled because ``parent_id`` was cancelled."""
+        return f"ParentCancelled: parent {parent_id} was cancelled"
+
+
 class UnknownJob(JobsError, LookupError):
     """No database or backend holds a job with this id."""
 

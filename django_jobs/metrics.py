@@ -35,6 +35,7 @@ COUNTERS = (
     "jobs_history_errors",
     "jobs_scheduled",
     "jobs_aborted",
+    "jobs_dependents_resolved",
 )
 HISTOGRAMS = ("jobs_exec_seconds", "jobs_wait_seconds", "jobs_retry_delay_seconds")
 

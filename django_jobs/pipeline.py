@@ -140,13 +140,18 @@ class JobContext:
 
     ``aborted`` becomes ``True`` when the job is asked to abort (its worker's heartbeat learns
     of it): a job that checks it can stop cleanly before ``ABORT_GRACE`` runs out and
-    ``JobAborted`` is raised inside it. However it ends, the run is settled ``cancelled``."""
+    ``JobAborted`` is raised inside it. However it ends, the run is settled ``cancelled``.
 
-    __slots__ = ("aborted", "attempt", "deadline", "envelope", "lease")
+    ``parent_result`` is what the parent named by ``options["result_of"]`` returned (a step of
+    ``chain(..., pass_result=True)``; a ``@job`` function gets it as its first argument);
+    ``None`` otherwise, or when that parent did not complete or kept no result."""
+
+    __slots__ = ("aborted", "attempt", "deadline", "envelope", "lease", "parent_result")
 
     def __init__(self, envelope: Envelope, attempt: int, deadline: float | None, lease: Lease) -> None:
         self.envelope, self.attempt, self.deadline, self.lease = envelope, attempt, deadline, lease
         self.aborted = False
+        self.parent_result: Any = None
 
     @property
     def payload(self) -> Any:
@@ -365,6 +370,9 @@ class DeliveryPipeline:
         d.limit = limit = TimeLimit(timeout)
         if d.aborted_by is not None:  # asked before it started: it does not run
             return self._cancelled(d, None, 0.0, count_run=False)
+        parent = env.options.get("result_of")
+        if parent is not None:  # a chain's step: what the previous one returned (it is stored)
+            context.parent_result = self.backend.stored_result(str(parent))
         if deadline is not None and self.heartbeat is not None:
             # An abort's own deadline may be armed already: the earlier one stands.
             self.heartbeat.arm(deadline + HARD_TIMEOUT_GRACE, lambda: self.settle_timed_out(d), earliest=True)

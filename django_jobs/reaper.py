@@ -21,7 +21,8 @@ logger = logging.getLogger("django_jobs.reaper")
 
 
 class Reaper:
-    """Calls ``reap_expired`` for each queue (every queue when ``queues`` is empty).
+    """Calls ``reap_expired`` for each queue (every queue when ``queues`` is empty), then the
+    backend's sweep of waiting jobs whose parents finished (``resolve_dependents``).
 
     After the backend was unreachable, leases that expired during the outage may belong to live
     workers whose heartbeats could not get through either: for one lease timeout after the last
@@ -58,6 +59,12 @@ class Reaper:
                     extra=log_fields(None, queue, outcome="lost"),
                 )
             total += count
+        # The safety net of dependencies: waiting jobs whose parents finished by a path that
+        # left their edges unresolved (a crash between two steps on a broker).
+        resolved = self.backend.resolve_dependents()
+        if resolved:
+            self.metrics.increment("jobs_dependents_resolved", resolved)
+            logger.warning("resolved %d waiting job(s) whose parents had finished", resolved)
         return total
 
     def run(self, interval: float, should_stop: Callable[[], bool] = lambda: False) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Literal, NamedTuple
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from ..envelope import Envelope
-from ..exceptions import AbortNotSupported, InvalidPayload, LeaseLost
+from ..exceptions import AbortNotSupported, DependenciesNotSupported, InvalidPayload, LeaseLost
 
 # ``Lease.result`` of a run whose value is not kept (``None`` is a value: the job returned it).
 NO_RESULT: Any = object()
@@ -84,6 +84,9 @@ class QueueBackend(ABC):
     transactional: bool = False
     # The database alias of this backend's attempt history (None: the router's choice).
     history_alias: str | None = None
+    # A job may wait for parent jobs (``options["parents"]``) before it becomes ready; the
+    # others refuse such a job at dispatch (``DependenciesNotSupported``).
+    supports_dependencies: bool = False
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         self.name = name
@@ -140,6 +143,25 @@ class QueueBackend(ABC):
 
         assert lease.envelope is not None, "only a decoded message has a result"
         record_result(lease.envelope, value, self.name, lease.envelope.attempts + 1, lease.queue)
+
+    def stored_result(self, job_id: str) -> Any:
+        """What the completed job ``job_id`` returned, as ``keep_result`` stored it (a job whose
+        ``options["result_of"]`` names it gets it as its first argument); ``None`` when the job
+        did not complete or kept no result."""
+        from django.db import router
+
+        from ..models import Job, JobStatus  # the models load after the app registry
+
+        db = self.history_alias or router.db_for_read(Job)
+        completed = Job.objects.using(db).filter(pk=job_id, status=JobStatus.COMPLETED)
+        return completed.values_list("result", flat=True).first()
+
+    def resolve_dependents(self) -> int:
+        """The safety net of dependencies, run by every reaper pass: settle or release the
+        waiting jobs whose parents all finished by a path that did not resolve their edges (a
+        crash between two steps, on backends that cannot do both at once). Idempotent. Returns
+        how many waiting jobs it moved on (0: nothing to do, or no dependencies here)."""
+        return 0
 
     def peek(self, job_id: str) -> LiveJob | None:
         """The live state of a message this backend still holds, looked up by id without
@@ -277,13 +299,34 @@ class QueueBackend(ABC):
 
     def submit(self, envelopes: list[Envelope]) -> None:
         """Enqueue, deferring to the end of the caller's transaction for non-database backends,
-        so a worker never sees a job before the rows it refers to are committed."""
+        so a worker never sees a job before the rows it refers to are committed.
+
+        A job with parents is refused at once (``DependenciesNotSupported``) by a backend that
+        cannot hold it until they finish."""
+        if not self.supports_dependencies and any("parents" in envelope.options for envelope in envelopes):
+            raise DependenciesNotSupported(
+                f"backend {self.name!r} ({type(self).__name__}) cannot hold a job until its parents finish; "
+                f"dependencies, chains and groups need a backend that can ({_dependency_backends()})"
+            )
         push: Callable[[], Any] = lambda: self.enqueue_many(envelopes)
         alias = None if self.transactional else atomic_alias()
         if alias is None:
             push()
         else:
             transaction.on_commit(push, using=alias)
+
+
+def _dependency_backends() -> str:
+    """The configured backends that support dependencies, for an error message."""
+    from .. import conf
+    from . import get_backend
+
+    names = []
+    for name in conf.get("BACKENDS") or {}:
+        with contextlib.suppress(Exception):  # an unusable backend is the system checks' business
+            if get_backend(name).supports_dependencies:
+                names.append(repr(name))
+    return f"configured: {', '.join(names)}" if names else "the database engine; none is configured"
 
 
 def atomic_alias() -> str | None:

@@ -4,6 +4,11 @@ It goes through the real delivery pipeline (signature check, handler allowlist, 
 timeout) so behaviour matches production; there is no queue, so no retry and no delay. A
 permanent failure is recorded as a failed ``Job`` row, like every backend's.
 
+A job with parents runs at once too: its parents ran before it, in their own dispatch. When one
+of them failed or was cancelled (as this process saw it; a parent it did not run counts as
+completed), the job is recorded failed or cancelled without running, unless
+``run_if_parent_fails``.
+
 ``OPTIONS={"RAISE": True}`` (for tests) makes the dispatch raise when the job did not succeed:
 the job's own exception, a rejection's refusal (``HandlerNotAllowed``, ``BadSignature``, ...),
 or a :class:`~django_jobs.exceptions.JobsError` saying its idempotency key or single-instance
@@ -26,10 +31,20 @@ if TYPE_CHECKING:
     from ..pipeline import DeliveryPipeline, WorkerResult
 
 
+# How many outcomes of the jobs it ran a sync backend remembers, for their children.
+REMEMBERED = 1000
+
+
 class SyncBackend(QueueBackend):
     supports_delay = False
     supports_retry = False
     persistent = False
+    supports_dependencies = True
+
+    @cached_property
+    def outcomes(self) -> dict[str, str]:
+        """How the last jobs it ran ended (id -> ``completed``/``failed``/``cancelled``)."""
+        return {}
 
     @cached_property
     def last_results(self) -> list[WorkerResult]:
@@ -44,6 +59,8 @@ class SyncBackend(QueueBackend):
         return DeliveryPipeline(self)
 
     def enqueue(self, envelope: Envelope) -> str:
+        if "parents" in envelope.options and self._settled_by_parents(envelope):
+            return envelope.id
         lease = Lease(
             token=envelope.id,
             owner_token=secrets.token_hex(8),
@@ -52,11 +69,47 @@ class SyncBackend(QueueBackend):
             envelope=envelope,
         )
         result = self.pipeline.process(lease)
+        self._remember(envelope.id, result)
+        return envelope.id
+
+    def _remember(self, job_id: str, result: WorkerResult) -> None:
+        from ..pipeline import Outcome  # the pipeline imports the backends package
+
         self.last_results.append(result)
         del self.last_results[:-100]
+        ended = {Outcome.ACKED: "completed", Outcome.SKIPPED_IDEMPOTENT: "completed", Outcome.CANCELLED: "cancelled"}
+        self.outcomes[job_id] = ended.get(result.status, "failed")
+        for old in list(self.outcomes)[:-REMEMBERED]:
+            del self.outcomes[old]
         if self.options.get("RAISE"):
             _raise_for(result)
-        return envelope.id
+
+    def _settled_by_parents(self, env: Envelope) -> bool:
+        """Record ``env`` failed or cancelled without running it when a parent's outcome says
+        so; ``False`` when it is to run."""
+        from .. import history
+        from ..audit import record_cancelled, record_failure
+        from ..flows import FLOW_WORKER, edges_verdict
+        from ..pipeline import Outcome, WorkerResult
+
+        edges = [(parent, self.outcomes.get(parent, "completed")) for parent in env.options["parents"]]
+        verdict = edges_verdict(edges, bool(env.options.get("run_if_parent_fails")))
+        if verdict.state not in ("failed", "cancelled"):
+            return False
+        record = record_cancelled if verdict.state == "cancelled" else record_failure
+        record(env, verdict.reason, self.name, env.attempts, env.queue)
+        history.record(
+            env.id,
+            env.attempts + 1,
+            verdict.state,
+            error=verdict.reason,
+            error_class=verdict.error_class,
+            worker=FLOW_WORKER,
+            using=self.history_alias,
+        )
+        status = Outcome.CANCELLED if verdict.state == "cancelled" else Outcome.DEAD_LETTERED
+        self._remember(env.id, WorkerResult(status, env.id, env.attempts, verdict.reason, env.queue, env.handler))
+        return True
 
     def fetch(self, queue: str) -> Lease | None:
         return None

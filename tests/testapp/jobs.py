@@ -95,3 +95,14 @@ calls: list[tuple] = []
 def remember(*args: object, **kwargs: object) -> None:
     """Records its call in-process (for tests that run the worker in the same process)."""
     calls.append((args, kwargs))
+
+
+@job(queue="default")
+def flow_step(previous: list[str] | None, key: str, db: str = "default", action: str = "ok") -> list[str]:
+    """A step of a chain or group (tests of dependencies): records a run under ``key`` and
+    returns ``previous`` (a parent's result in a chain that passes results) plus ``key``;
+    ``action="raise"`` fails instead."""
+    _record(key, db)
+    if action == "raise":
+        raise RuntimeError(f"step {key} failed")
+    return [*(previous or []), key]

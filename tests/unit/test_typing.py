@@ -152,5 +152,7 @@ def test_job_options_name_every_option_the_runtime_accepts():
             "retry_on",
             "single_instance",
             "keep_result",
+            "depends_on",
+            "run_if_parent_fails",
         }
     )
