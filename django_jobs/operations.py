@@ -9,16 +9,16 @@ from datetime import timedelta
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import router
+from django.db import router, transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from . import conf, history, signing
+from . import conf, dependencies, history, signing
 from .backends import get_backend
 from .backends.database import DatabaseBackend
 from .envelope import Envelope
 from .exceptions import AbortNotSupported, BadSignature, InvalidPayload, JobAborted
-from .models import ENVELOPE_COLUMNS, FINISHED_STATUSES, AttemptOutcome, Job, JobAttempt, JobStatus
+from .models import ENVELOPE_COLUMNS, FINISHED_STATUSES, AttemptOutcome, Dependency, Job, JobAttempt, JobStatus
 
 logger = logging.getLogger("django_jobs.operations")
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -72,6 +72,8 @@ def purge(status: str, queue: str | None = None, before: timedelta | None = None
             total += jobs.count()
             continue
         JobAttempt.objects.using(alias).filter(job__in=jobs.values("pk")).delete()
+        # A finished job's own edges (to its parents) are of no use any more.
+        Dependency.objects.using(alias).filter(child__in=jobs.values("pk")).delete()
         total += jobs.delete()[0]
         if status == JobStatus.COMPLETED:  # type: ignore[comparison-overlap]
             # The history of broker jobs that failed and then completed: they have no row.
@@ -194,39 +196,48 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
 
 @dataclass
 class CancelOutcome:
-    # The rows cancelled, as they were before (pending, their runs so far).
+    # The rows cancelled, as they were before (pending or waiting, their runs so far).
     jobs: list[Job] = field(default_factory=list)
 
 
-def cancel_jobs(jobs: QuerySet[Job], reason: str, worker: str | None = None) -> CancelOutcome:
-    """Stop the pending jobs among ``jobs`` before they run: each becomes ``cancelled``, finished
-    now, with ``reason`` as its last error, and its attempt history records a ``cancelled``
-    attempt (by ``worker``, e.g. ``admin:boss``; this process's ``host:pid`` by default) in place of the run it will not have.
+# Jobs that have not started: cancelled at once.
+NOT_STARTED: tuple[str, ...] = (str(JobStatus.PENDING), str(JobStatus.WAITING))
 
-    Each row is settled by one UPDATE that matches it only while it is still pending, so a job
+
+def cancel_jobs(jobs: QuerySet[Job], reason: str, worker: str | None = None) -> CancelOutcome:
+    """Stop the pending (or waiting) jobs among ``jobs`` before they run: each becomes
+    ``cancelled``, finished now, with ``reason`` as its last error, and its attempt history
+    records a ``cancelled`` attempt (by ``worker``, e.g. ``admin:boss``; this process's
+    ``host:pid`` by default) in place of the run it will not have. The jobs waiting for it are
+    decided in the same transaction (cancelled too, unless ``run_if_parent_fails``).
+
+    Each row is settled by one UPDATE that matches it only while it has not started, so a job
     a worker claimed meanwhile runs on untouched. Only a database backend's queue has pending
     rows: a job queued on a broker has no row until it fails, and cannot be cancelled here.
     ``retry_jobs`` runs a cancelled job again.
     """
     outcome = CancelOutcome()
-    for row in jobs.filter(status=JobStatus.PENDING):
+    for row in jobs.filter(status__in=NOT_STARTED):
         db = row._state.db
         now = timezone.now()
-        cancelled = (
-            Job.objects.using(db)
-            .filter(pk=row.pk, status=JobStatus.PENDING)
-            .update(
-                status=JobStatus.CANCELLED,
-                finished_at=now,
-                last_error=reason,
-                owner_token=None,
-                leased_until=None,
-                updated_at=now,
+        with transaction.atomic(using=db):
+            cancelled = (
+                Job.objects.using(db)
+                .filter(pk=row.pk, status=row.status)
+                .update(
+                    status=JobStatus.CANCELLED,
+                    finished_at=now,
+                    last_error=reason,
+                    owner_token=None,
+                    leased_until=None,
+                    updated_at=now,
+                )
             )
-        )
-        if not cancelled:
-            continue  # claimed (or cancelled) meanwhile
+            resolution = dependencies.resolve(db, row.pk, "cancelled") if cancelled else None
+        if resolution is None:
+            continue  # claimed, released (or cancelled) meanwhile
         history.record(row.pk, row.attempts + 1, AttemptOutcome.CANCELLED, error=reason, worker=worker, using=db)
+        dependencies.record(resolution, db)
         outcome.jobs.append(row)
     return outcome
 

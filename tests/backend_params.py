@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.conf import settings
+from django.test import override_settings
 from django.utils import timezone
 
+from django_jobs.backends import get_backend
 from django_jobs.backends.base import Lease, QueueBackend
 from django_jobs.models import Job
 from tests.fake_servicebus import LIVE_ENV, SDK_INSTALLED, expire_lock
@@ -111,6 +115,18 @@ BACKEND_PARAMS = [
         marks=[DB, pytest.mark.skipif(not (SDK_INSTALLED and os.environ.get(LIVE_ENV)), reason=f"no {LIVE_ENV}")],
     ),
 ]
+
+
+@contextmanager
+def backend_of(case: BackendCase) -> Iterator[QueueBackend]:
+    """The backend instance configured as ``case.name`` (with the case's own ``config`` added
+    to ``JOBS["BACKENDS"]`` while it is in use)."""
+    if case.config is None:
+        yield get_backend(case.name)
+        return
+    backends_config = {**settings.JOBS["BACKENDS"], case.name: case.config}
+    with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends_config}):
+        yield get_backend(case.name)
 
 
 def holds_messages(backend: QueueBackend) -> bool:

@@ -22,7 +22,7 @@ from django.db.models import Count, Min, Q
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from .. import conf, rows
+from .. import conf, dependencies, rows
 from ..envelope import Envelope
 from ..exceptions import InvalidPayload, LeaseLost, WorkerLost
 from ..models import ClaimedAhead, Job, JobStatus, envelope_columns
@@ -38,6 +38,9 @@ logger = logging.getLogger("django_jobs.backends.database")
 _RESULT = Job._meta.get_field("result")
 # Every settle: the row is no longer leased, nor claimed ahead.
 RELEASED = "owner_token = NULL, leased_until = NULL, claimed_ahead = 0"
+# The fence of every fast ack: a row some job waits for is acked on the transactional path,
+# which resolves its edges in the same transaction (see ``_finish``).
+NO_DEPENDENTS = "NOT has_dependents"
 # A batch's acks (one run each). Parameters: finished_at, updated_at.
 ACKED = f"status = 'completed', attempts = attempts + 1, finished_at = %s, {RELEASED}, updated_at = %s"
 # A new row's defaults (the model's own), by attribute name.
@@ -110,6 +113,7 @@ class DatabaseBackend(QueueBackend):
     """Jobs as rows of ``django_jobs_job`` in the database ``OPTIONS["DATABASE"]``."""
 
     supports_priority = True
+    supports_dependencies = True
     transactional = True
     audit_failures = False  # a failed job keeps its own row
 
@@ -189,19 +193,42 @@ class DatabaseBackend(QueueBackend):
             done.add(name)
         return name
 
-    def _settle(self, lease: Lease, assignments: str, params: list[Any]) -> None:
+    def _settle(self, lease: Lease, assignments: str, params: list[Any], *, also: str = "") -> None:
         """One fenced UPDATE: touches the row only while this lease still owns it.
 
         The fence is the owner token: a row has one only while it is ``in_progress`` (every
         settle, the reaper and a retry clear it), so the statement tests the id and the token
-        alone and PostgreSQL finds the row by its primary key, never by the status index."""
+        alone and PostgreSQL finds the row by its primary key, never by the status index.
+        ``also``: one more condition (an ack's ``NO_DEPENDENTS``)."""
         now = timezone.now()
-        sql = f"UPDATE {TABLE} SET {assignments}, {RELEASED}, updated_at = %s WHERE id = %s AND owner_token = %s"
+        where = f"id = %s AND owner_token = %s AND {also}" if also else "id = %s AND owner_token = %s"
+        sql = f"UPDATE {TABLE} SET {assignments}, {RELEASED}, updated_at = %s WHERE {where}"
         count, _ = self._execute_queue(sql, [*params, self._adapt(now), lease.token, lease.owner_token])
         if count != 1:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
 
-    def _row(self, envelope: Envelope, now: datetime) -> dict[str, Any]:
+    def _finish(self, lease: Lease, assignments: str, params: list[Any], outcome: str) -> None:
+        """The transactional settle: the fenced UPDATE of a job that ends (``outcome``: its
+        finished status) and the resolution of the edges of the jobs waiting for it, committed
+        together. Every failure and cancel takes it (they are rare), and an ack whose fast
+        statement found the row has dependents."""
+        with transaction.atomic(using=self.alias):
+            self._settle(lease, assignments, params)
+            resolution = dependencies.resolve(self.alias, lease.token, outcome)
+        dependencies.record(resolution, self.alias)
+
+    def _ack_slowly(self, lost: list[Lease]) -> list[Lease]:
+        """The leases a fenced ack did not settle: acked on the transactional path if they are
+        still ours (their rows have dependents); those truly lost."""
+        still_lost = []
+        for lease in lost:
+            try:
+                self._finish(lease, *self._ack_assignments(lease), "completed")
+            except LeaseLost:
+                still_lost.append(lease)
+        return still_lost
+
+    def new_row(self, envelope: Envelope, now: datetime) -> dict[str, Any]:
         """A new row's column values (by attribute name), defaults included."""
         return {
             **_DEFAULTS,
@@ -217,16 +244,22 @@ class DatabaseBackend(QueueBackend):
     # -- protocol --
 
     def enqueue(self, envelope: Envelope) -> str:
-        rows.insert(self._conn, Job, self._row(envelope, timezone.now()))  # durable: never async
+        if "parents" in envelope.options:
+            dependencies.enqueue(self, [envelope])
+            return envelope.id
+        rows.insert(self._conn, Job, self.new_row(envelope, timezone.now()))  # durable: never async
         return envelope.id
 
     def enqueue_many(self, envelopes: list[Envelope]) -> list[str]:
         if len(envelopes) == 1:
             return [self.enqueue(envelopes[0])]
+        if any("parents" in envelope.options for envelope in envelopes):  # a chain or group: one transaction
+            dependencies.enqueue(self, envelopes)
+            return [e.id for e in envelopes]
         now = timezone.now()
         # One microsecond apart, so a batch keeps its order (FIFO) within a priority. (The ORM
         # inserts many rows well: with UNNEST on PostgreSQL.)
-        rows = [Job(**self._row(e, now + timedelta(microseconds=i))) for i, e in enumerate(envelopes)]
+        rows = [Job(**self.new_row(e, now + timedelta(microseconds=i))) for i, e in enumerate(envelopes)]
         Job.objects.using(self.alias).bulk_create(rows, batch_size=1000)
         return [e.id for e in envelopes]
 
@@ -255,7 +288,7 @@ class DatabaseBackend(QueueBackend):
         done, params = self._ack_assignments(lease)
         sql = (
             f"WITH done AS (UPDATE {TABLE} SET {done}, {RELEASED}, updated_at = %s "
-            f"WHERE id = %s AND owner_token = %s RETURNING 1), "
+            f"WHERE id = %s AND owner_token = %s AND {NO_DEPENDENTS} RETURNING 1), "
             f"next AS ({self._claim_sql(vendor, only_if='EXISTS (SELECT 1 FROM done)')}) "
             f"SELECT (SELECT count(*) FROM done), next.* FROM (SELECT 1) AS one LEFT JOIN next ON TRUE"
         )
@@ -263,8 +296,9 @@ class DatabaseBackend(QueueBackend):
         _, reply = self._execute_queue(
             sql, [*params, self._adapt(now), lease.token, lease.owner_token, *claim], prepare=True
         )
-        if not reply[0]:
-            raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
+        if not reply[0]:  # lost, or some job waits for it: then acked on the transactional path
+            self._finish(lease, done, params, "completed")
+            return self.fetch(queue)
         row = reply[1:] if reply[1] is not None else None
         return self._leased(row, owner, expires, queue)
 
@@ -317,6 +351,8 @@ class DatabaseBackend(QueueBackend):
     # -- batches --
 
     def fetch_many(self, queue: str, limit: int) -> list[Lease]:
+        if not self.supports_prefetch:  # one at a time (the base class's ack_many_and_fetch calls back here)
+            return super().fetch_many(queue, limit)
         return self.ack_many_and_fetch([], queue, limit)[1]
 
     def can_prefetch(self) -> bool:
@@ -330,10 +366,10 @@ class DatabaseBackend(QueueBackend):
         if self._conn.vendor == "postgresql":
             sql = f"{self._ack_many_sql()} RETURNING {TABLE}.id"
             _, rows = self._execute_queue(sql, self._ack_many_params(leases), prepare=True, every_row=True)
-            return _lost(leases, {row[0] for row in rows})
+            return self._ack_slowly(_lost(leases, {row[0] for row in rows}))
         if self._conn.vendor != "sqlite":
             return super().ack_many(leases)
-        return self._ack_many_sqlite(leases)
+        return self._ack_slowly(self._ack_many_sqlite(leases))
 
     def ack_many_and_fetch(self, leases: list[Lease], queue: str, limit: int) -> tuple[list[Lease], list[Lease]]:
         """One statement on PostgreSQL, one transaction on SQLite: the acks (fenced row by
@@ -345,7 +381,7 @@ class DatabaseBackend(QueueBackend):
             with transaction.atomic(using=self.alias):
                 lost = self._ack_many_sqlite(leases)
                 _, rows = self._execute(self._claim_sql(vendor, batch=True), claim, every_row=True)
-            return lost, self._batch(rows, owner, expires, queue)
+            return self._ack_slowly(lost), self._batch(rows, owner, expires, queue)
         if vendor != "postgresql":
             return super().ack_many_and_fetch(leases, queue, limit)
         sql = (
@@ -356,7 +392,7 @@ class DatabaseBackend(QueueBackend):
         _, rows = self._execute_queue(sql, self._ack_many_params(leases) + claim, prepare=True, every_row=True)
         acked = set(rows[0][0] or ())
         claimed = [row[1:] for row in rows if row[1] is not None]
-        return _lost(leases, acked), self._batch(claimed, owner, expires, queue)
+        return self._ack_slowly(_lost(leases, acked)), self._batch(claimed, owner, expires, queue)
 
     @staticmethod
     def _ack_many_sql() -> str:
@@ -364,7 +400,7 @@ class DatabaseBackend(QueueBackend):
         Parameters: finished_at, updated_at, ids, owner tokens."""
         return (
             f"UPDATE {TABLE} SET {ACKED} FROM unnest(%s::text[], %s::text[]) AS acked(id, owner) "
-            f"WHERE {TABLE}.id = acked.id AND {TABLE}.owner_token = acked.owner"
+            f"WHERE {TABLE}.id = acked.id AND {TABLE}.owner_token = acked.owner AND NOT {TABLE}.has_dependents"
         )
 
     def _ack_many_params(self, leases: list[Lease]) -> list[Any]:
@@ -376,7 +412,7 @@ class DatabaseBackend(QueueBackend):
             return []
         now = self._adapt(timezone.now())
         pairs = ", ".join(["(%s, %s)"] * len(leases))
-        sql = f"UPDATE {TABLE} SET {ACKED} WHERE (id, owner_token) IN (VALUES {pairs}) RETURNING id"
+        sql = f"UPDATE {TABLE} SET {ACKED} WHERE (id, owner_token) IN (VALUES {pairs}) AND {NO_DEPENDENTS} RETURNING id"
         params = [now, now, *(value for lease in leases for value in (lease.token, lease.owner_token))]
         _, rows = self._execute(sql, params, every_row=True)
         return _lost(leases, {row[0] for row in rows})
@@ -427,7 +463,11 @@ class DatabaseBackend(QueueBackend):
         )
 
     def ack(self, lease: Lease, *, count_run: bool = True) -> None:
-        self._settle(lease, *self._ack_assignments(lease, count_run))
+        assignments, params = self._ack_assignments(lease, count_run)
+        try:
+            self._settle(lease, assignments, params, also=NO_DEPENDENTS)
+        except LeaseLost:  # or some job waits for it: acked on the transactional path
+            self._finish(lease, assignments, params, "completed")
 
     def _ack_assignments(self, lease: Lease, count_run: bool = True) -> tuple[str, list[Any]]:
         assignments = "status = 'completed', attempts = attempts + %s, finished_at = %s"
@@ -452,17 +492,19 @@ class DatabaseBackend(QueueBackend):
         self._settle(lease, "status = 'pending'", [])
 
     def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
-        self._settle(
+        self._finish(
             lease,
             "status = 'failed', attempts = attempts + %s, finished_at = %s, last_error = %s",
             [int(count_run), self._adapt(timezone.now()), error],
+            "failed",
         )
 
     def cancel(self, lease: Lease, reason: str, *, count_run: bool = True) -> None:
-        self._settle(
+        self._finish(
             lease,
             "status = 'cancelled', attempts = attempts + %s, finished_at = %s, last_error = %s",
             [int(count_run), self._adapt(timezone.now()), reason],
+            "cancelled",
         )
 
     def keep_result(self, lease: Lease, value: Any) -> None:
@@ -530,7 +572,7 @@ class DatabaseBackend(QueueBackend):
             if job.claimed_ahead != ClaimedAhead.NO:
                 reaped += self._hand_back(job, now)
                 continue
-            done = 0
+            done, resolution = 0, dependencies.Resolution()
             # A lost connection ends the pass (every later row would fail the same way).
             with (
                 reaping(job.pk, job.queue, fatal=(OperationalError, InterfaceError)),
@@ -552,9 +594,12 @@ class DatabaseBackend(QueueBackend):
                     updated_at=now,
                     **changes,
                 )
+                if done and delay is None:  # failed for good: the jobs waiting for it are decided with it
+                    resolution = dependencies.resolve(self.alias, job.pk, "failed")
             if done:  # outside the savepoint: the history's own errors cannot undo the reap
                 reaped += 1
                 lost_run(self, job.pk, job.queue, job.attempts + 1, error, retry_in=delay, handler=job.handler)
+                dependencies.record(resolution, self.alias)
         return reaped
 
     def lose_claims(self, queue: str, owner_token: str, running: str | None) -> None:
@@ -583,6 +628,9 @@ class DatabaseBackend(QueueBackend):
             )
         )
         return handed_back
+
+    def resolve_dependents(self) -> int:
+        return dependencies.sweep(self.alias)
 
     def wait_for_work(self, queues: list[str], timeout: float) -> bool:
         """PostgreSQL: block until a job is inserted (``NOTIFY django_jobs``, sent by a trigger
@@ -627,7 +675,7 @@ class DatabaseBackend(QueueBackend):
     def size(self, queue: str) -> int:
         count: int = (
             Job.objects.using(self.alias)
-            .filter(queue=queue, status__in=(JobStatus.PENDING, JobStatus.IN_PROGRESS))
+            .filter(queue=queue, status__in=(JobStatus.WAITING, JobStatus.PENDING, JobStatus.IN_PROGRESS))
             .count()
         )
         return count

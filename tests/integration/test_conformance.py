@@ -33,7 +33,15 @@ from django_jobs.metrics import get_collector
 from django_jobs.models import Job, JobAttempt
 from django_jobs.signals import job_reaped, job_started, job_succeeded
 from django_jobs.worker import QueueWorker
-from tests.backend_params import ALL_DATABASES, BACKEND_PARAMS, BackendCase, holds_messages, require_hook, require_queue
+from tests.backend_params import (
+    ALL_DATABASES,
+    BACKEND_PARAMS,
+    BackendCase,
+    backend_of,
+    holds_messages,
+    require_hook,
+    require_queue,
+)
 from tests.testapp.jobs import scripted
 from tests.testapp.models import SideEffect
 
@@ -56,12 +64,8 @@ def queue_backend(backend_case: BackendCase) -> Iterator[QueueBackend]:
     ``get_backend`` builds it for the current settings (its cache is dropped whenever JOBS
     changes); queue state lives in the test databases, which roll back after each test.
     """
-    if backend_case.config is None:
-        yield get_backend(backend_case.name)
-        return
-    backends_config = {**settings.JOBS["BACKENDS"], backend_case.name: backend_case.config}
-    with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends_config}):
-        yield get_backend(backend_case.name)
+    with backend_of(backend_case) as backend:
+        yield backend
 
 
 # -- helpers --

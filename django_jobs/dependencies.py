@@ -1,0 +1,274 @@
+"""Job dependencies on the database backend: ``Dependency`` rows (edges) attached when a child
+is dispatched and resolved in the transaction that finishes each parent.
+
+A child waits as a ``waiting`` row (never claimed, never a run) until every edge has an
+outcome. Whatever finishes a parent (an ack, a failure, a cancel, the reaper) resolves its
+edges in the same transaction, so no crash can leave a finished parent with a waiting child;
+:func:`sweep`, run by every reaper pass, is the safety net for paths outside the backend (a
+row changed by hand, a parent deleted before it finished).
+
+Locks are taken in one order everywhere: a parent's row (by its own settle, or by a dispatch,
+``FOR UPDATE`` in id order), then its waiting children's rows in id order, then their edges. A
+child's edges are read after its row is locked, so a parent resolved concurrently in another
+transaction is seen once that transaction commits (PostgreSQL's READ COMMITTED reads with a new
+snapshot per statement; MySQL/MariaDB read them with a locking read; SQLite has one writer).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db import connections, transaction
+from django.db.models import QuerySet
+from django.db.models.functions import Greatest
+from django.utils import timezone
+
+from . import history, signing
+from .envelope import Envelope
+from .exceptions import BadSignature, InvalidPayload, UnknownJob
+from .flows import FLOW_WORKER, EdgesVerdict, edges_verdict
+from .logfields import log_fields
+from .models import ENVELOPE_COLUMNS, FINISHED_STATUSES, Dependency, Job, JobStatus
+
+if TYPE_CHECKING:
+    from .backends.database import DatabaseBackend
+
+logger = logging.getLogger("django_jobs.dependencies")
+FINISHED: tuple[str, ...] = tuple(str(status) for status in FINISHED_STATUSES)
+# The columns of a waiting child read under its lock: enough to verify its signature.
+_CHILD_COLUMNS = ("id", "attempts", *ENVELOPE_COLUMNS)
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """A waiting job settled by a parent's outcome (it never runs)."""
+
+    job_id: str
+    attempt: int  # the run it will not have (its runs so far + 1), as a cancelled job records
+    queue: str
+    handler: str
+    verdict: EdgesVerdict
+
+
+@dataclass(slots=True)
+class Resolution:
+    """What resolving edges did: children made ready, and children settled."""
+
+    released: list[str] = field(default_factory=list)
+    settled: list[Settled] = field(default_factory=list)
+
+    @property
+    def moved(self) -> int:
+        return len(self.released) + len(self.settled)
+
+
+# -- dispatch --
+
+
+def enqueue(backend: DatabaseBackend, envelopes: list[Envelope]) -> None:
+    """Insert ``envelopes`` (some with ``options["parents"]``) in one transaction: lock the
+    parents outside the batch, attach the edges, and insert each child ``waiting``, or
+    ``pending`` / ``failed`` / ``cancelled`` at once when its parents already decide it.
+
+    Raises ``UnknownJob`` (and inserts nothing) when a parent is no job of this backend."""
+    alias, now = backend.alias, timezone.now()
+    batch = {envelope.id for envelope in envelopes}
+    parents_of = {envelope.id: list(envelope.options.get("parents") or ()) for envelope in envelopes}
+    with_children = {parent for parents in parents_of.values() for parent in parents}
+    resolution = Resolution()
+    with transaction.atomic(using=alias):
+        statuses = _lock_parents(backend, sorted(with_children - batch), envelopes)
+        rows, edges, settled_now = [], [], []
+        for index, envelope in enumerate(envelopes):
+            # One microsecond apart, so a batch keeps its order (FIFO) within a priority.
+            row = backend.new_row(envelope, now + timedelta(microseconds=index))
+            row["has_dependents"] = envelope.id in with_children
+            pairs = [
+                (parent, None if parent in batch else _outcome(statuses[parent])) for parent in parents_of[envelope.id]
+            ]
+            edges += [Dependency(parent=p, child=envelope.id, outcome=o, created_at=now) for p, o in pairs]
+            if pairs:
+                verdict = edges_verdict(pairs, bool(envelope.options.get("run_if_parent_fails")))
+                if verdict.state == "waiting":
+                    row["status"] = JobStatus.WAITING
+                elif verdict.state != "ready":
+                    row.update(status=verdict.state, finished_at=now, last_error=verdict.reason)
+                    settled = Settled(envelope.id, envelope.attempts + 1, envelope.queue, envelope.handler, verdict)
+                    settled_now.append(settled)
+            rows.append(Job(**row))
+        Job.objects.using(alias).bulk_create(rows, batch_size=1000)
+        Dependency.objects.using(alias).bulk_create(edges, batch_size=1000)
+        resolution.settled += settled_now
+        for settled in settled_now:  # their own children in the batch: settled the same way
+            if settled.job_id in with_children:
+                _resolve(alias, [(settled.job_id, settled.verdict.state)], resolution)
+    record(resolution, alias)
+
+
+def _lock_parents(backend: DatabaseBackend, ids: list[str], envelopes: list[Envelope]) -> dict[str, str]:
+    """Lock the parent rows ``ids`` (in id order) and mark the unfinished ones as having
+    dependents; their statuses by id. SQLite writes first: its write lock is what keeps a
+    parent from finishing between this read and the children's insert."""
+    if not ids:
+        return {}
+    jobs = Job.objects.using(backend.alias).filter(pk__in=ids, backend=backend.name)
+    if connections[backend.alias].vendor == "sqlite":
+        jobs.exclude(status__in=FINISHED).update(has_dependents=True)
+        statuses = dict(jobs.values_list("pk", "status"))
+    else:
+        statuses = dict(jobs.select_for_update().order_by("pk").values_list("pk", "status"))
+        unfinished = [pk for pk, status in statuses.items() if status not in FINISHED]
+        if unfinished:
+            Job.objects.using(backend.alias).filter(pk__in=unfinished, has_dependents=False).update(has_dependents=True)
+    missing = [job_id for job_id in ids if job_id not in statuses]
+    if missing:
+        child = next(e.id for e in envelopes if missing[0] in (e.options.get("parents") or ()))
+        raise UnknownJob(
+            f"job {child} depends on {missing[0]!r}, which is not a job of backend {backend.name!r} "
+            "(a parent must be dispatched to the child's backend first)"
+        )
+    return statuses
+
+
+def _outcome(status: str) -> str | None:
+    return status if status in FINISHED else None
+
+
+# -- resolution --
+
+
+def resolve(alias: str, parent: str, outcome: str) -> Resolution:
+    """``parent`` just finished with ``outcome`` (a finished status), in the caller's
+    transaction: its open edges get the outcome, and each waiting child it decides is made
+    ready or settled (and those settled settle their own children in turn). The caller holds
+    the parent's row (it just updated it) and calls :func:`record` after its transaction."""
+    resolution = Resolution()
+    _resolve(alias, [(parent, outcome)], resolution)
+    return resolution
+
+
+def _resolve(alias: str, todo: list[tuple[str, str]], resolution: Resolution) -> None:
+    while todo:
+        parent, outcome = todo.pop(0)
+        edges = Dependency.objects.using(alias).filter(parent=parent, outcome__isnull=True)
+        children = sorted(edges.values_list("child", flat=True))
+        if not children:
+            continue
+        locked = _lock_waiting(alias, children)
+        edges.update(outcome=outcome)
+        todo += _decide(alias, locked, resolution)
+
+
+def _lock_waiting(alias: str, ids: Iterable[str]) -> list[dict[str, Any]]:
+    """Lock the rows of ``ids`` still waiting, in id order; their columns."""
+    jobs = Job.objects.using(alias).select_for_update().filter(pk__in=list(ids), status=JobStatus.WAITING)
+    return list(jobs.order_by("pk").values(*_CHILD_COLUMNS))
+
+
+def _decide(alias: str, children: list[dict[str, Any]], resolution: Resolution) -> list[tuple[str, str]]:
+    """Release or settle each locked waiting child as its edges say; the children settled
+    that have children of their own (to resolve next)."""
+    if not children:
+        return []
+    edges: QuerySet[Dependency] = Dependency.objects.using(alias).filter(child__in=[c["id"] for c in children])
+    if connections[alias].vendor == "mysql":  # REPEATABLE READ: only a locking read sees the latest commits
+        edges = edges.select_for_update()
+    by_child: dict[str, list[tuple[str, str | None]]] = {}
+    for child, parent, outcome in edges.order_by("child", "parent").values_list("child", "parent", "outcome"):
+        by_child.setdefault(child, []).append((parent, outcome))
+    now, ready = timezone.now(), []
+    cascade: list[tuple[str, str]] = []
+    for child in children:
+        options = _trusted_options(child)
+        pairs = _in_parents_order(by_child.get(child["id"], []), options.get("parents"))
+        verdict = edges_verdict(pairs, bool(options.get("run_if_parent_fails")))
+        if verdict.state == "ready":
+            ready.append(child["id"])
+        elif verdict.state != "waiting":
+            Job.objects.using(alias).filter(pk=child["id"], status=JobStatus.WAITING).update(
+                status=verdict.state, finished_at=now, last_error=verdict.reason, updated_at=now
+            )
+            resolution.settled.append(
+                Settled(child["id"], child["attempts"] + 1, child["queue"], child["handler"], verdict)
+            )
+            cascade.append((child["id"], verdict.state))
+    if ready:
+        _release(alias, ready, now)
+        resolution.released += ready
+    return cascade
+
+
+def _release(alias: str, ids: list[str], now: datetime) -> None:
+    """Waiting -> pending, due at its own time or now (so it queues behind the jobs already
+    ready); idle PostgreSQL workers are woken when the transaction commits."""
+    Job.objects.using(alias).filter(pk__in=ids, status=JobStatus.WAITING).update(
+        status=JobStatus.PENDING, available_at=Greatest("available_at", now), updated_at=now
+    )
+    connection = connections[alias]
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify('django_jobs', '')")
+
+
+def _trusted_options(child: dict[str, Any]) -> dict[str, Any]:
+    """The child's options when its signature verifies, else none: a row written without the
+    signing key never gets ``run_if_parent_fails`` (it is settled by a failed parent)."""
+    columns = {column: child[column] for column in ENVELOPE_COLUMNS}
+    envelope = Envelope(id=child["id"], **{**columns, "options": child["options"] or {}})
+    try:
+        signing.verify_delivery(envelope, child["queue"])
+    except (BadSignature, InvalidPayload):
+        return {}
+    return envelope.options if isinstance(envelope.options, dict) else {}
+
+
+def _in_parents_order(pairs: list[tuple[str, str | None]], parents: object) -> list[tuple[str, str | None]]:
+    """The edges in the order the child named its parents (the first failed one is reported)."""
+    if not isinstance(parents, list):
+        return pairs
+    rank = {parent: index for index, parent in enumerate(parents)}
+    return sorted(pairs, key=lambda pair: rank.get(pair[0], len(rank)))
+
+
+def record(resolution: Resolution, alias: str) -> None:
+    """After the transaction that settled them: each settled child's history entry (the run it
+    will not have, by the ``flow`` worker) and its log record."""
+    for settled in resolution.settled:
+        verdict = settled.verdict
+        history.record(
+            settled.job_id,
+            settled.attempt,
+            verdict.state,
+            error=verdict.reason,
+            error_class=verdict.error_class,
+            worker=FLOW_WORKER,
+            using=alias,
+        )
+        extra = log_fields(settled.job_id, settled.queue, settled.handler, settled.attempt, verdict.state)
+        logger.warning("job %s %s without running: %s", settled.job_id, verdict.state, verdict.reason, extra=extra)
+
+
+# -- the safety net --
+
+
+def sweep(alias: str) -> int:
+    """Resolve what no settle resolved: open edges whose parent finished (or no longer exists:
+    a parent deleted before it finished counts as cancelled), and waiting jobs none of whose
+    edges is open. Idempotent; returns how many waiting jobs it released or settled."""
+    resolution = Resolution()
+    with transaction.atomic(using=alias):
+        open_edges = Dependency.objects.using(alias).filter(outcome__isnull=True)
+        parents = sorted(set(open_edges.values_list("parent", flat=True)))
+        statuses = dict(Job.objects.using(alias).filter(pk__in=parents).values_list("pk", "status"))
+        done = [(parent, statuses.get(parent, JobStatus.CANCELLED)) for parent in parents]
+        _resolve(alias, [(parent, str(status)) for parent, status in done if str(status) in FINISHED], resolution)
+        waiting = Job.objects.using(alias).filter(status=JobStatus.WAITING)
+        stuck = waiting.exclude(pk__in=open_edges.values("child")).values_list("pk", flat=True)
+        cascade = _decide(alias, _lock_waiting(alias, list(stuck)), resolution)
+        _resolve(alias, cascade, resolution)
+    record(resolution, alias)
+    return resolution.moved
