@@ -34,6 +34,7 @@ TOP_HANDLERS = 10
 COLUMN_STATUS: dict[str, str] = {
     "pending": str(JobStatus.PENDING),
     "delayed": str(JobStatus.PENDING),
+    "waiting": str(JobStatus.WAITING),
     "in_progress": str(JobStatus.IN_PROGRESS),
     "failed": str(JobStatus.FAILED),
     "cancelled": str(JobStatus.CANCELLED),
@@ -51,6 +52,7 @@ class QueueRow:
     queue: str
     pending: int = 0  # ready to run now
     delayed: int = 0
+    waiting: int = 0  # held until their parents finish
     in_progress: int = 0
     failed: int = 0  # failed Job rows (a broker's audit copies)
     cancelled: int = 0
@@ -114,6 +116,7 @@ def _queue_row(
         return row
     row.checked_at = timezone.now()
     row.pending, row.delayed, row.in_progress = stats["pending"], stats["delayed"], stats["in_progress"]
+    row.waiting = stats.get("waiting", 0)  # backends without dependencies have none
     row.held_failed = stats["failed"]
     return row
 

@@ -22,7 +22,7 @@ from ..models import JobDashboard, JobStatus
 from .jobs import duration_text, first_line
 
 # Colourblind-safe (Okabe and Ito), readable on the admin's light and dark themes.
-BLUE, VERMILION, ORANGE, GREEN = "#0072b2", "#d55e00", "#e69f00", "#009e73"
+BLUE, VERMILION, ORANGE, GREEN, PURPLE = "#0072b2", "#d55e00", "#e69f00", "#009e73", "#cc79a7"
 # The queue table's count columns, in order: (QueueRow attribute, heading).
 COUNT_COLUMNS = (
     ("pending", "Pending (ready)"),
@@ -30,6 +30,7 @@ COUNT_COLUMNS = (
     ("in_progress", "In progress"),
     ("failed", "Failed"),
     ("cancelled", "Cancelled"),
+    ("waiting", "Waiting for parents"),
 )
 
 
@@ -91,15 +92,19 @@ def hourly_chart(buckets: list[dashboard.HourBucket]) -> SafeString:
 
 
 def depth_chart(rows: list[dashboard.QueueRow]) -> SafeString:
-    """Pending, delayed and in-progress jobs per backend and queue (unreadable ones left out)."""
+    """Pending, delayed and in-progress jobs per backend and queue, and those waiting for their
+    parents where there are any (unreadable ones left out)."""
     read = [row for row in rows if not row.error]
+    series = [
+        charts.Series("pending", BLUE, [row.pending for row in read]),
+        charts.Series("delayed", ORANGE, [row.delayed for row in read]),
+        charts.Series("in progress", GREEN, [row.in_progress for row in read]),
+    ]
+    if any(row.waiting for row in read):  # only where jobs wait for others: most sites have none
+        series.append(charts.Series("waiting for parents", PURPLE, [row.waiting for row in read]))
     return charts.bar_chart(
         [f"{row.backend} / {row.queue}" for row in read],
-        [
-            charts.Series("pending", BLUE, [row.pending for row in read]),
-            charts.Series("delayed", ORANGE, [row.delayed for row in read]),
-            charts.Series("in progress", GREEN, [row.in_progress for row in read]),
-        ],
+        series,
         title="Queue depth per backend and queue",
         x_label="jobs",
         chart_id="jobs-depth",

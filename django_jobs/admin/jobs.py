@@ -1,5 +1,6 @@
-"""Admin: the job list and job page; retry failed or cancelled jobs, cancel pending ones, abort
-pending or running ones."""
+"""Admin: the job list and job page (with its attempt history, and the jobs it waits for and
+those waiting for it); retry failed or cancelled jobs, cancel pending or waiting ones, abort
+pending, waiting or running ones."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from .. import operations
-from ..models import FINISHED_STATUSES, Job, JobAttempt, JobDashboard, JobStatus, Schedule, Worker
+from ..models import FINISHED_STATUSES, Dependency, Job, JobAttempt, JobDashboard, JobStatus, Schedule, Worker
 
 # How much of an error's first line the attempt history and a retry's log message show.
 SUMMARY_CHARS = 200
@@ -28,6 +29,9 @@ SUMMARY_CHARS = 200
 LIST_ERROR_CHARS = 60
 # Every time the admin shows, to the second.
 SECONDS_FORMAT = "Y-m-d H:i:s"
+# How many of a job's children its page lists (a group's callback has one parent per member,
+# and a job may have many children).
+RELATED_SHOWN = 100
 
 
 def first_line(text: str, limit: int = SUMMARY_CHARS) -> str:
@@ -50,6 +54,8 @@ def retry_message(job: Job) -> str:
 
 def cancel_message(job: Job) -> str:
     """The admin log's change message for the cancellation of ``job``, read before it."""
+    if job.status == JobStatus.WAITING:
+        return "Cancelled (was waiting for the jobs it depends on)"
     if job.attempts == 0:
         return "Cancelled (was pending, never run)"
     return f"Cancelled (was pending a retry after {runs_text(job.attempts)})"
@@ -119,6 +125,30 @@ class AttemptRow:
     @property
     def summary(self) -> str:
         return first_line(self.attempt.error)
+
+
+@dataclass(frozen=True)
+class RelatedJob:
+    """A parent or child of a job, as its page lists it: linked when its row is here."""
+
+    job_id: str
+    row: Job | None
+    url: str
+    # How the parent ended, as the edge recorded it ("" while it has not finished, or unknown).
+    outcome: str = ""
+
+
+@dataclass(frozen=True)
+class Dependencies:
+    """A job's parents (in the order it named them) and its children (the first ``RELATED_SHOWN``)."""
+
+    parents: list[RelatedJob]
+    children: list[RelatedJob]
+    more_children: int  # children not listed
+    run_if_parent_fails: bool
+
+    def __bool__(self) -> bool:
+        return bool(self.parents or self.children)
 
 
 @admin.register(Job)
@@ -231,16 +261,41 @@ class JobAdmin(admin.ModelAdmin):
             # order: a retry numbers its attempts from 1 again.
             attempts = JobAttempt.objects.using(obj._state.db).filter(job_id=obj.pk).order_by("id")
             context["attempt_history"] = [AttemptRow(attempt) for attempt in attempts]
+            context["dependencies"] = self.dependencies(obj)
             if self.has_operate_permission(request):
                 context["job_buttons"] = self._buttons(obj)
         response: HttpResponse = super().render_change_form(request, context, add, change, form_url, obj)
         return response
 
+    def dependencies(self, obj: Job) -> Dependencies:
+        """The jobs ``obj`` waits for and the jobs waiting for it, from the edges of its database
+        (a broker's job, whose row is a record, shows the parents its message named)."""
+        edges = Dependency.objects.using(obj._state.db)
+        outcomes = dict(edges.filter(child=obj.pk).values_list("parent", "outcome"))
+        named = obj.options.get("parents") if isinstance(obj.options, dict) else None
+        parents = [p for p in named if isinstance(p, str)] if isinstance(named, list) else []
+        parents += sorted(set(outcomes) - set(parents))
+        children = edges.filter(parent=obj.pk).order_by("created_at", "child").values_list("child", flat=True)
+        shown = list(children[:RELATED_SHOWN])
+        more = children.count() - len(shown) if len(shown) == RELATED_SHOWN else 0
+        rows = Job.objects.using(obj._state.db).only("id", "name", "handler", "status").in_bulk([*parents, *shown])
+
+        def related(job_id: str, outcome: str = "") -> RelatedJob:
+            row = rows.get(job_id)
+            return RelatedJob(job_id, row, self._url("change", row) if row is not None else "", outcome)
+
+        return Dependencies(
+            [related(p, outcomes.get(p) or "") for p in parents],
+            [related(c) for c in shown],
+            more,
+            bool(obj.options.get("run_if_parent_fails")) if isinstance(obj.options, dict) else False,
+        )
+
     def _buttons(self, obj: Job) -> list[dict[str, str]]:
         """The job page's Retry, Cancel or Abort button, as the job's status allows."""
         if obj.status in operations.RETRYABLE:
             return [{"name": "retry", "label": "Retry", "url": self._url("retry", obj)}]
-        if obj.status == JobStatus.PENDING:
+        if obj.status in operations.NOT_STARTED:
             return [{"name": "cancel", "label": "Cancel", "url": self._url("cancel", obj)}]
         if obj.status == JobStatus.IN_PROGRESS:
             return [{"name": "abort", "label": "Abort", "url": self._url("abort", obj)}]
@@ -280,9 +335,10 @@ class JobAdmin(admin.ModelAdmin):
 
     # -- cancel ---------------------------------------------------------------------------------
 
-    @admin.action(description="Cancel selected pending jobs", permissions=["operate"])
+    @admin.action(description="Cancel selected pending or waiting jobs", permissions=["operate"])
     def cancel(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
-        """Cancel the pending jobs selected (a job claimed meanwhile runs on); each is logged."""
+        """Cancel the pending (or waiting) jobs selected (a job claimed meanwhile runs on); each
+        is logged. The jobs waiting for them are cancelled too, unless ``run_if_parent_fails``."""
         user = request.user.get_username()
         outcome = operations.cancel_jobs(queryset, f"Cancelled by {user} in the admin", worker=f"admin:{user}")
         for job in outcome.jobs:
@@ -290,7 +346,7 @@ class JobAdmin(admin.ModelAdmin):
         if not outcome.jobs:
             self.message_user(
                 request,
-                "No job was cancelled: only pending jobs can be, and a job queued on a broker "
+                "No job was cancelled: only pending or waiting jobs can be, and a job queued on a broker "
                 "(Redis, beanstalkd, Service Bus) has no row here until it fails.",
                 messages.ERROR,
             )
@@ -299,7 +355,7 @@ class JobAdmin(admin.ModelAdmin):
         skipped = queryset.count() - len(outcome.jobs)
         if skipped > 0:
             self.message_user(
-                request, f"{skipped} selected job(s) were not pending and were left alone.", messages.WARNING
+                request, f"{skipped} selected job(s) were not pending or waiting and were left alone.", messages.WARNING
             )
 
     def cancel_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
@@ -320,7 +376,9 @@ class JobAdmin(admin.ModelAdmin):
         for pk in outcome.asked:
             self.log_change(request, selected[pk], "Aborted while running: its worker stops it")
         if not outcome.stopped:
-            self.message_user(request, "No job was aborted: only pending or running jobs can be.", messages.ERROR)
+            self.message_user(
+                request, "No job was aborted: only pending, waiting or running jobs can be.", messages.ERROR
+            )
             return
         self.message_user(
             request,

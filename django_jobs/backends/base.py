@@ -203,7 +203,8 @@ class QueueBackend(ABC):
         """Messages not yet settled: ready + delayed + leased."""
 
     def stats(self, queue: str) -> dict[str, int]:
-        """Counts for ``jobs_stats``: pending, delayed, in_progress, failed."""
+        """Counts for ``jobs_stats``: pending, delayed, in_progress, failed; and ``waiting`` (held
+        until their parents finish) on backends with ``supports_dependencies``."""
         return {"pending": self.size(queue), "delayed": 0, "in_progress": 0, "failed": 0}
 
     def oldest_ready_age(self, queue: str) -> float | None:

@@ -702,6 +702,7 @@ class DatabaseBackend(QueueBackend):
                 delayed=Count("id", filter=pending & Q(available_at__gt=now)),
                 in_progress=Count("id", filter=Q(status=JobStatus.IN_PROGRESS)),
                 failed=Count("id", filter=Q(status=JobStatus.FAILED)),
+                waiting=Count("id", filter=Q(status=JobStatus.WAITING)),
             )
         )
         return counts

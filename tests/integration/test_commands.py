@@ -380,6 +380,7 @@ def test_stats_json_matches_the_rows():
         "delayed": 1,
         "in_progress": 1,
         "failed": 1,
+        "waiting": 0,
     }
     assert by_queue["default", "other"] == {
         "backend": "default",
@@ -388,6 +389,7 @@ def test_stats_json_matches_the_rows():
         "delayed": 0,
         "in_progress": 0,
         "failed": 0,
+        "waiting": 0,
     }
     assert by_queue["default", "emails"] == {
         "backend": "default",
@@ -396,6 +398,7 @@ def test_stats_json_matches_the_rows():
         "delayed": 0,
         "in_progress": 0,
         "failed": 0,
+        "waiting": 0,
     }
 
 
@@ -403,14 +406,15 @@ def test_stats_table_covers_every_backend(postgres_up, redis_up, beanstalk_up):
     make_stats_rows()
     scripted.using(backend="pg", queue="emails").dispatch(action="ok")
     lines = run("jobs_stats").splitlines()
-    assert lines[0].split() == ["backend", "queue", "pending", "delayed", "in_progress", "failed"]
-    table = {tuple(line.split()[:2]): [int(n) for n in line.split()[2:]] for line in lines[1:]}
-    assert table["default", "default"] == [2, 1, 1, 1]
-    assert table["default", "other"] == [1, 0, 0, 0]
-    assert table["pg", "emails"] == [1, 0, 0, 0]
-    assert table["pg", "default"] == [0, 0, 0, 0]
+    assert lines[0].split() == ["backend", "queue", "pending", "delayed", "in_progress", "failed", "waiting"]
+    table = {tuple(line.split()[:2]): line.split()[2:] for line in lines[1:]}
+    assert table["default", "default"] == ["2", "1", "1", "1", "0"]
+    assert table["default", "other"] == ["1", "0", "0", "0", "0"]
+    assert table["pg", "emails"] == ["1", "0", "0", "0", "0"]
+    assert table["pg", "default"] == ["0", "0", "0", "0", "0"]
     assert ("sync", "default") in table
-    assert table["redis", "default"] == [0, 0, 0, 0]
+    assert table["redis", "default"][:4] == ["0", "0", "0", "0"]
+    assert table["beanstalk", "default"] == ["0", "0", "0", "0", "-"]  # no dependencies there
     assert len(table) == len(settings.JOBS["BACKENDS"]) * len(settings.JOBS["QUEUES"])
 
 

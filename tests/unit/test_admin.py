@@ -456,7 +456,10 @@ def test_the_cancel_action_cancels_the_pending_jobs_selected(superuser_client):
 
     response = run_action(superuser_client, "cancel", done, running, waiting)
 
-    assert texts(response) == ["Cancelled 1 job(s).", "2 selected job(s) were not pending and were left alone."]
+    assert texts(response) == [
+        "Cancelled 1 job(s).",
+        "2 selected job(s) were not pending or waiting and were left alone.",
+    ]
     statuses = dict(Job.objects.values_list("pk", "status"))
     assert statuses == {done: "completed", running: "in_progress", waiting: "cancelled", unselected: "pending"}
     job = Job.objects.get(pk=waiting)

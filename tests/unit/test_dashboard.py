@@ -155,6 +155,7 @@ def test_each_count_links_to_exactly_the_jobs_it_counts(admin_client):
         "in_progress": {make_job("in_progress", queue="emails")},
         "failed": {make_job("failed", queue="emails") for _ in range(3)},
         "cancelled": {make_job("cancelled", queue="emails")},
+        "waiting": {make_job("waiting", queue="emails") for _ in range(2)},
     }
     make_job("failed", queue="default")  # another queue
     make_job("failed", queue="emails", backend="other")  # another backend

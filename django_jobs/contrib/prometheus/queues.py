@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 P = ParamSpec("P")
 T = TypeVar("T")
 
-STATES = ("pending", "delayed", "in_progress", "failed")
+STATES = ("pending", "delayed", "in_progress", "failed", "waiting")
 
 
 def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:

@@ -9,11 +9,12 @@ from django_jobs import operations
 
 from . import _validate
 
-COLUMNS = ("backend", "queue", "pending", "delayed", "in_progress", "failed")
+# waiting: held until their parents finish ("-" for a backend without dependencies).
+COLUMNS = ("backend", "queue", "pending", "delayed", "in_progress", "failed", "waiting")
 
 
 class Command(BaseCommand):
-    help = "Pending, delayed, in-progress and failed jobs per backend and queue."
+    help = "Pending, delayed, in-progress, failed and waiting jobs per backend and queue."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--backend", action="append", help="only this backend (repeatable)")
@@ -30,4 +31,4 @@ class Command(BaseCommand):
             if "error" in row:
                 self.stdout.write(f"{row['backend']:<14}{row['queue']:<14}unavailable: {row['error']}")
             else:
-                self.stdout.write("".join(f"{row[c]!s:<14}" for c in COLUMNS).rstrip())
+                self.stdout.write("".join(f"{row.get(c, '-')!s:<14}" for c in COLUMNS).rstrip())
