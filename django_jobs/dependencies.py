@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections, transaction
-from django.db.models import QuerySet
+from django.db.models import Min, QuerySet
 from django.db.models.functions import Greatest
 from django.utils import timezone
 
@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("django_jobs.dependencies")
 FINISHED: tuple[str, ...] = tuple(str(status) for status in FINISHED_STATUSES)
-# The columns of a waiting child read under its lock: enough to verify its signature.
-_CHILD_COLUMNS = ("id", "attempts", *ENVELOPE_COLUMNS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,31 +158,40 @@ def _resolve(alias: str, todo: list[tuple[str, str]], resolution: Resolution) ->
             continue
         locked = _lock_waiting(alias, children)
         edges.update(outcome=outcome)
-        todo += _decide(alias, locked, resolution)
+        todo += _decide(alias, locked, resolution, (parent, outcome))
 
 
 def _lock_waiting(alias: str, ids: Iterable[str]) -> list[dict[str, Any]]:
-    """Lock the rows of ``ids`` still waiting, in id order; their columns."""
+    """Lock the rows of ``ids`` still waiting, in id order; what a settle records of them."""
     jobs = Job.objects.using(alias).select_for_update().filter(pk__in=list(ids), status=JobStatus.WAITING)
-    return list(jobs.order_by("pk").values(*_CHILD_COLUMNS))
+    return list(jobs.order_by("pk").values("id", "attempts", "queue", "handler"))
 
 
-def _decide(alias: str, children: list[dict[str, Any]], resolution: Resolution) -> list[tuple[str, str]]:
+def _decide(
+    alias: str, children: list[dict[str, Any]], resolution: Resolution, resolved: tuple[str, str] | None = None
+) -> list[tuple[str, str]]:
     """Release or settle each locked waiting child as its edges say; the children settled
-    that have children of their own (to resolve next)."""
+    that have children of their own (to resolve next).
+
+    ``resolved``: the parent whose edges were just given their outcome. A waiting child has no
+    other edge that settles it (the resolution of that edge would have settled it, under the
+    child's lock), so that parent's outcome and whether an edge is still open decide: a child
+    of many parents (a group's callback) costs one lookup per parent, not a read of all its
+    edges. Without it (the sweep), every edge of each child is read."""
     if not children:
         return []
-    edges: QuerySet[Dependency] = Dependency.objects.using(alias).filter(child__in=[c["id"] for c in children])
-    if connections[alias].vendor == "mysql":  # REPEATABLE READ: only a locking read sees the latest commits
-        edges = edges.select_for_update()
-    by_child: dict[str, list[tuple[str, str | None]]] = {}
-    for child, parent, outcome in edges.order_by("child", "parent").values_list("child", "parent", "outcome"):
-        by_child.setdefault(child, []).append((parent, outcome))
+    ids = [child["id"] for child in children]
+    edges = _open_edges(alias, ids) if resolved is not None else _all_edges(alias, ids)
     now, ready = timezone.now(), []
     cascade: list[tuple[str, str]] = []
     for child in children:
-        options = _trusted_options(child)
-        pairs = _in_parents_order(by_child.get(child["id"], []), options.get("parents"))
+        if resolved is None:
+            options = _trusted_options(alias, child["id"])
+            pairs = _in_parents_order(edges.get(child["id"], []), options.get("parents"))
+        else:
+            pairs = [resolved, *edges.get(child["id"], [])]
+            # Only a failed or cancelled parent asks whether the child runs all the same.
+            options = _trusted_options(alias, child["id"]) if resolved[1] != "completed" else {}
         verdict = edges_verdict(pairs, bool(options.get("run_if_parent_fails")))
         if verdict.state == "ready":
             ready.append(child["id"])
@@ -202,6 +209,32 @@ def _decide(alias: str, children: list[dict[str, Any]], resolution: Resolution) 
     return cascade
 
 
+def _edges(alias: str, ids: list[str]) -> QuerySet[Dependency]:
+    """The edges of the children ``ids``, read after their rows were locked. MySQL/MariaDB
+    (REPEATABLE READ) reads them with a locking read, which alone sees the latest commits."""
+    edges: QuerySet[Dependency] = Dependency.objects.using(alias).filter(child__in=ids).order_by()
+    return edges.select_for_update() if connections[alias].vendor == "mysql" else edges
+
+
+def _all_edges(alias: str, ids: list[str]) -> dict[str, list[tuple[str, str | None]]]:
+    by_child: dict[str, list[tuple[str, str | None]]] = {}
+    for child, parent, outcome in (
+        _edges(alias, ids).order_by("child", "parent").values_list("child", "parent", "outcome")
+    ):
+        by_child.setdefault(child, []).append((parent, outcome))
+    return by_child
+
+
+def _open_edges(alias: str, ids: list[str]) -> dict[str, list[tuple[str, str | None]]]:
+    """One open edge of each child that has any (grouped in the database, where it can)."""
+    edges = _edges(alias, ids).filter(outcome__isnull=True)
+    if connections[alias].vendor == "mysql":  # no aggregate in a locking read
+        pairs = list(edges.values_list("child", "parent"))
+    else:
+        pairs = list(edges.values("child").annotate(first=Min("parent")).values_list("child", "first"))
+    return {child: [(parent, None)] for child, parent in pairs}
+
+
 def _release(alias: str, ids: list[str], now: datetime) -> None:
     """Waiting -> pending, due at its own time or now (so it queues behind the jobs already
     ready); idle PostgreSQL workers are woken when the transaction commits."""
@@ -214,13 +247,17 @@ def _release(alias: str, ids: list[str], now: datetime) -> None:
             cursor.execute("SELECT pg_notify('django_jobs', '')")
 
 
-def _trusted_options(child: dict[str, Any]) -> dict[str, Any]:
-    """The child's options when its signature verifies, else none: a row written without the
-    signing key never gets ``run_if_parent_fails`` (it is settled by a failed parent)."""
-    columns = {column: child[column] for column in ENVELOPE_COLUMNS}
-    envelope = Envelope(id=child["id"], **{**columns, "options": child["options"] or {}})
+def _trusted_options(alias: str, job_id: str) -> dict[str, Any]:
+    """The options of the waiting job ``job_id`` when its signature verifies, else none: a row
+    written without the signing key never gets ``run_if_parent_fails`` (a failed parent settles
+    it)."""
+    row = Job.objects.using(alias).filter(pk=job_id).values("id", *ENVELOPE_COLUMNS).first()
+    if row is None:
+        return {}
+    columns = {column: row[column] for column in ENVELOPE_COLUMNS}
+    envelope = Envelope(id=job_id, **{**columns, "options": row["options"] or {}})
     try:
-        signing.verify_delivery(envelope, child["queue"])
+        signing.verify_delivery(envelope, row["queue"])
     except (BadSignature, InvalidPayload):
         return {}
     return envelope.options if isinstance(envelope.options, dict) else {}

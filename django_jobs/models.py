@@ -119,15 +119,17 @@ class Dependency(models.Model):
     """
 
     parent = models.CharField(max_length=64)  # indexed first by the unique (parent, child)
-    child = models.CharField(max_length=64, db_index=True)
+    child = models.CharField(max_length=64)
     outcome = models.CharField(max_length=16, null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["parent", "child"], name="django_jobs_dependency_uniq")]
         indexes = [
+            # A child's edges, and its open ones (is it still waiting for a parent?).
+            models.Index(fields=["child", "outcome"], name="django_jobs_dep_child_idx"),
             # The reaper pass's sweep of edges left open: only those of unfinished parents.
-            models.Index(fields=["parent"], condition=Q(outcome__isnull=True), name="django_jobs_dep_open_idx")
+            models.Index(fields=["parent"], condition=Q(outcome__isnull=True), name="django_jobs_dep_open_idx"),
         ]
 
     def __str__(self) -> str:

@@ -1,0 +1,99 @@
+"""Groups and chains run by several real ``manage.py jobs_work`` processes on PostgreSQL.
+
+Each run of a step records a ``SideEffect`` row (its key and the pid of the process that ran
+it), so a test sees what ran, in which order, by which process, and how often.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+
+import pytest
+from django.db.models import Max
+
+from django_jobs import chain, group
+from django_jobs.history import attempts_of
+from django_jobs.models import Job
+from tests.procs import processes, wait_until, worker_env
+from tests.testapp.jobs import flow_step, scripted
+from tests.testapp.models import SideEffect
+
+PG = "postgres"
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.slow,
+    pytest.mark.django_db(databases=["default", PG], transaction=True),
+    pytest.mark.usefixtures("postgres_up"),
+]
+# The backends whose dependencies these tests exercise (their SideEffect rows are in PostgreSQL).
+BACKENDS = [
+    pytest.param("pg", id="database-postgres"),
+    pytest.param("redis", id="redis", marks=pytest.mark.skip(reason="redis dependencies in progress")),
+]
+LEASE = 2.0
+MEMBERS = 1000
+WORKERS = 3
+
+
+def effects(prefix: str) -> list[SideEffect]:
+    return list(SideEffect.objects.using(PG).filter(key__startswith=prefix).order_by("id"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_group_callback_runs_once_after_every_member(backend, request):
+    if backend == "redis":
+        request.getfixturevalue("redis_up")
+    tag = f"group-{uuid.uuid4().hex[:10]}"
+    members = [flow_step.using(backend=backend).prepare(None, f"{tag}-m{i}", PG) for i in range(MEMBERS)]
+    callback = flow_step.using(backend=backend, keep_result=True).prepare(None, f"{tag}-done", PG)
+    *member_ids, callback_id = group(*members).then(callback).dispatch()
+    jobs = Job.objects.using(PG)
+
+    with processes() as procs:
+        for _ in range(WORKERS):
+            procs.worker("--backend", backend, "--verbosity", "0", env=worker_env(LEASE))
+        wait_until(
+            lambda: jobs.filter(pk=callback_id, status="completed").exists(), 120, "the group's callback to complete"
+        )
+        # Whatever is still running would show now: give the workers another beat to misbehave.
+        wait_until(lambda: not jobs.filter(status__in=["pending", "in_progress", "waiting"]).exists(), 10, "idle")
+
+    runs = effects(tag)
+    done = [run for run in runs if run.key == f"{tag}-done"]
+    assert len(done) == 1, f"the callback ran {len(done)} times"
+    assert len(runs) == MEMBERS + 1  # every member once
+    assert {run.key for run in runs} == {f"{tag}-m{i}" for i in range(MEMBERS)} | {f"{tag}-done"}
+    last_member_finished = jobs.filter(pk__in=member_ids).aggregate(last=Max("finished_at"))["last"]
+    assert done[0].created_at >= last_member_finished  # it started after the last member finished
+    assert runs[-1] == done[0]
+    assert len({run.pid for run in runs}) > 1, "a single process ran every job"
+    assert jobs.get(pk=callback_id).attempts == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_chain_survives_the_worker_of_a_step_being_killed(backend, request):
+    if backend == "redis":
+        request.getfixturevalue("redis_up")
+    tag = f"chain-{uuid.uuid4().hex[:10]}"
+    quick = scripted.using(backend=backend, max_retries=2, backoff={"strategy": "none"})
+    steps = [quick.prepare(action="ok", key=f"{tag}-{n}", db=PG) for n in (1, 2)]
+    steps.append(quick.prepare(action="sleep", key=f"{tag}-3", db=PG, seconds=3))
+    steps += [quick.prepare(action="ok", key=f"{tag}-{n}", db=PG) for n in (4, 5)]
+    ids = chain(*steps).dispatch()
+    jobs = Job.objects.using(PG)
+
+    with processes() as procs:
+        for _ in range(2):
+            procs.worker("--backend", backend, "--prefetch", "1", env=worker_env(LEASE))
+        running = wait_until(lambda: effects(f"{tag}-3"), 60, "step 3 to start")[0]
+        os.kill(running.pid, signal.SIGKILL)  # the process running step 3, mid-step
+        wait_until(lambda: jobs.filter(pk=ids[-1], status="completed").exists(), 90, "the chain's last step")
+
+    keys = [run.key.rsplit("-", 1)[1] for run in effects(tag)]
+    assert keys == ["1", "2", "3", "3", "4", "5"], keys  # in order; step 3 ran again after the kill
+    assert [jobs.get(pk=job_id).status for job_id in ids] == ["completed"] * 5
+    step3 = jobs.get(pk=ids[2])
+    assert step3.attempts == 2  # the lost run counts
+    assert [attempt.outcome for attempt in attempts_of(ids[2], using=PG)] == ["lost"]
