@@ -17,14 +17,11 @@ snapshot per statement; MySQL/MariaDB read them with a locking read; SQLite has 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections, transaction
-from django.db.models import Min, QuerySet
-from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from . import history, signing
@@ -139,12 +136,13 @@ def _outcome(status: str) -> str | None:
 # -- resolution --
 
 
-def resolve(alias: str, parent: str, outcome: str) -> Resolution:
+def resolve(alias: str, parent: str, outcome: str, into: Resolution | None = None) -> Resolution:
     """``parent`` just finished with ``outcome`` (a finished status), in the caller's
     transaction: its open edges get the outcome, and each waiting child it decides is made
     ready or settled (and those settled settle their own children in turn). The caller holds
-    the parent's row (it just updated it) and calls :func:`record` after its transaction."""
-    resolution = Resolution()
+    the parent's row (it just updated it) and calls :func:`record` after its transaction.
+    Returns what it did (added to ``into`` when given)."""
+    resolution = Resolution() if into is None else into
     _resolve(alias, [(parent, outcome)], resolution)
     return resolution
 
@@ -152,19 +150,65 @@ def resolve(alias: str, parent: str, outcome: str) -> Resolution:
 def _resolve(alias: str, todo: list[tuple[str, str]], resolution: Resolution) -> None:
     while todo:
         parent, outcome = todo.pop(0)
-        edges = Dependency.objects.using(alias).filter(parent=parent, outcome__isnull=True)
-        children = sorted(edges.values_list("child", flat=True))
-        if not children:
-            continue
-        locked = _lock_waiting(alias, children)
-        edges.update(outcome=outcome)
-        todo += _decide(alias, locked, resolution, (parent, outcome))
+        locked = _lock_children(alias, parent, outcome)
+        if locked:
+            todo += _decide(alias, locked, resolution, (parent, outcome))
 
 
-def _lock_waiting(alias: str, ids: Iterable[str]) -> list[dict[str, Any]]:
-    """Lock the rows of ``ids`` still waiting, in id order; what a settle records of them."""
-    jobs = Job.objects.using(alias).select_for_update().filter(pk__in=list(ids), status=JobStatus.WAITING)
-    return list(jobs.order_by("pk").values("id", "attempts", "queue", "handler"))
+# The hot statements (one parent resolved per ack of a job with dependents) are written out:
+# the ORM's compiler costs more than running them.
+JOBS, EDGES = Job._meta.db_table, Dependency._meta.db_table
+
+
+def _sql(alias: str, sql: str, params: list[Any]) -> tuple[int, list[tuple[Any, ...]]]:
+    """Run ``sql`` on ``alias``: the row count and the rows."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.rowcount, cursor.fetchall() if cursor.description else []
+
+
+def _in(values: list[str]) -> str:
+    return ", ".join(["%s"] * len(values))
+
+
+def _lock_children(alias: str, parent: str, outcome: str) -> list[dict[str, Any]]:
+    """Lock the waiting children of ``parent`` whose edge is open, then give those edges the
+    parent's ``outcome``; the children locked. Every path locks a child's row before it
+    changes or (MySQL) locks its edges. PostgreSQL does both in one statement: no other
+    transaction writes or locks this parent's edges, whatever order it takes them in."""
+    if connections[alias].vendor == "postgresql":
+        _, rows = _sql(
+            alias,
+            f"WITH edges AS (UPDATE {EDGES} SET outcome = %s WHERE parent = %s AND outcome IS NULL RETURNING child) "
+            f"SELECT id, attempts, queue, handler FROM {JOBS} WHERE id IN (SELECT child FROM edges) "
+            f"AND status = 'waiting' ORDER BY id FOR UPDATE",
+            [outcome, parent],
+        )
+        return [dict(zip(_LOCKED, row, strict=True)) for row in rows]
+    locked = _lock_waiting(alias, parent=parent)
+    _sql(alias, f"UPDATE {EDGES} SET outcome = %s WHERE parent = %s AND outcome IS NULL", [outcome, parent])
+    return locked
+
+
+_LOCKED = ("id", "attempts", "queue", "handler")
+
+
+def _lock_waiting(alias: str, ids: list[str] | None = None, *, parent: str | None = None) -> list[dict[str, Any]]:
+    """Lock the rows still waiting of ``ids``, or of the children of ``parent`` whose edge is
+    open, in id order; what a settle records of them."""
+    if parent is not None:
+        chosen, params = f"SELECT child FROM {EDGES} WHERE parent = %s AND outcome IS NULL", [parent]
+    elif ids:
+        chosen, params = _in(ids), list(ids)
+    else:
+        return []
+    lock = "" if connections[alias].vendor == "sqlite" else " FOR UPDATE"
+    _, rows = _sql(
+        alias,
+        f"SELECT id, attempts, queue, handler FROM {JOBS} WHERE id IN ({chosen}) AND status = 'waiting' ORDER BY id{lock}",
+        params,
+    )
+    return [dict(zip(_LOCKED, row, strict=True)) for row in rows]
 
 
 def _decide(
@@ -180,9 +224,12 @@ def _decide(
     edges. Without it (the sweep), every edge of each child is read."""
     if not children:
         return []
-    ids = [child["id"] for child in children]
+    ids, now = [child["id"] for child in children], timezone.now()
+    if resolved is not None and resolved[1] == "completed" and connections[alias].vendor != "mysql":
+        resolution.released += _release(alias, ids, now, unless_open=True)  # the common case: one statement
+        return []
     edges = _open_edges(alias, ids) if resolved is not None else _all_edges(alias, ids)
-    now, ready = timezone.now(), []
+    ready = []
     cascade: list[tuple[str, str]] = []
     for child in children:
         if resolved is None:
@@ -209,42 +256,54 @@ def _decide(
     return cascade
 
 
-def _edges(alias: str, ids: list[str]) -> QuerySet[Dependency]:
-    """The edges of the children ``ids``, read after their rows were locked. MySQL/MariaDB
+def _edges_sql(alias: str, columns: str, ids: list[str], where: str = "", tail: str = "") -> list[tuple[Any, ...]]:
+    """Edges of the children ``ids``, read after their rows were locked. MySQL/MariaDB
     (REPEATABLE READ) reads them with a locking read, which alone sees the latest commits."""
-    edges: QuerySet[Dependency] = Dependency.objects.using(alias).filter(child__in=ids).order_by()
-    return edges.select_for_update() if connections[alias].vendor == "mysql" else edges
+    lock = " FOR UPDATE" if connections[alias].vendor == "mysql" else ""
+    sql = f"SELECT {columns} FROM {EDGES} WHERE child IN ({_in(ids)}){where}{tail}"
+    return _sql(alias, sql + lock, ids)[1]
 
 
 def _all_edges(alias: str, ids: list[str]) -> dict[str, list[tuple[str, str | None]]]:
     by_child: dict[str, list[tuple[str, str | None]]] = {}
-    for child, parent, outcome in (
-        _edges(alias, ids).order_by("child", "parent").values_list("child", "parent", "outcome")
-    ):
+    for child, parent, outcome in _edges_sql(alias, "child, parent, outcome", ids, tail=" ORDER BY child, parent"):
         by_child.setdefault(child, []).append((parent, outcome))
     return by_child
 
 
 def _open_edges(alias: str, ids: list[str]) -> dict[str, list[tuple[str, str | None]]]:
-    """One open edge of each child that has any (grouped in the database, where it can)."""
-    edges = _edges(alias, ids).filter(outcome__isnull=True)
-    if connections[alias].vendor == "mysql":  # no aggregate in a locking read
-        pairs = list(edges.values_list("child", "parent"))
+    """One open edge of each child that has any (grouped in the database, but in a locking
+    read, which takes no aggregate)."""
+    if connections[alias].vendor == "mysql":
+        pairs = _edges_sql(alias, "child, parent", ids, " AND outcome IS NULL")
     else:
-        pairs = list(edges.values("child").annotate(first=Min("parent")).values_list("child", "first"))
+        pairs = _edges_sql(alias, "child, MIN(parent)", ids, " AND outcome IS NULL", " GROUP BY child")
     return {child: [(parent, None)] for child, parent in pairs}
 
 
-def _release(alias: str, ids: list[str], now: datetime) -> None:
+def _release(alias: str, ids: list[str], now: datetime, *, unless_open: bool = False) -> list[str]:
     """Waiting -> pending, due at its own time or now (so it queues behind the jobs already
-    ready); idle PostgreSQL workers are woken when the transaction commits."""
-    Job.objects.using(alias).filter(pk__in=ids, status=JobStatus.WAITING).update(
-        status=JobStatus.PENDING, available_at=Greatest("available_at", now), updated_at=now
-    )
+    ready); ``unless_open``: only those without an open edge (read by this statement, after
+    their rows were locked). Idle PostgreSQL workers are woken when the transaction commits.
+    Returns the ids released (all of ``ids`` unless ``unless_open``)."""
     connection = connections[alias]
+    moment = connection.ops.adapt_datetimefield_value(now)
+    free = f" AND NOT EXISTS (SELECT 1 FROM {EDGES} WHERE child = {JOBS}.id AND outcome IS NULL)" if unless_open else ""
+    sql = (
+        f"UPDATE {JOBS} SET status = 'pending', updated_at = %s, "
+        f"available_at = CASE WHEN available_at < %s THEN %s ELSE available_at END "
+        f"WHERE id IN ({_in(ids)}) AND status = 'waiting'{free}"
+    )
+    params = [moment, moment, moment, *ids]
     if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_notify('django_jobs', '')")
+        _, rows = _sql(
+            alias, f"WITH freed AS ({sql} RETURNING id) SELECT id, pg_notify('django_jobs', '') FROM freed", params
+        )
+        return [row[0] for row in rows]
+    if unless_open:  # SQLite (MySQL/MariaDB, which has no UPDATE ... RETURNING, never asks)
+        return [row[0] for row in _sql(alias, f"{sql} RETURNING id", params)[1]]
+    _sql(alias, sql, params)
+    return ids
 
 
 def _trusted_options(alias: str, job_id: str) -> dict[str, Any]:

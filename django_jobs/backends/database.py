@@ -152,16 +152,17 @@ class DatabaseBackend(QueueBackend):
             return cursor.rowcount, (cursor.fetchall() if every_row else cursor.fetchone())
 
     def _execute_queue(
-        self, sql: str, params: list[Any], *, prepare: bool = False, every_row: bool = False
+        self, sql: str, params: list[Any], *, prepare: bool = False, every_row: bool = False, own: bool = False
     ) -> tuple[int, Any]:
         """A claim, settle or renewal: on PostgreSQL in autocommit, its implicit transaction
         commits asynchronously (``SET LOCAL`` after it, in the same simple-protocol query, so
-        it is still one round trip; never inside the caller's transaction). ``prepare``: run it
-        as a statement prepared on this connection."""
+        it is still one round trip; never inside the caller's transaction: ``own`` says the
+        transaction open is the backend's own, which then commits asynchronously too).
+        ``prepare``: run it as a statement prepared on this connection."""
         conn = self._conn
         if not rows.simple_protocol(conn):
             return self._execute(sql, params, every_row=every_row)
-        suffix = rows.ASYNC_COMMIT if self.async_commit and not conn.in_atomic_block else ""
+        suffix = rows.ASYNC_COMMIT if self.async_commit and (own or not conn.in_atomic_block) else ""
         if not (prepare and self.prepare) or conn.in_atomic_block:
             return self._execute(sql + suffix, params, every_row=every_row)
         name = self._prepared(sql, len(params))
@@ -193,17 +194,17 @@ class DatabaseBackend(QueueBackend):
             done.add(name)
         return name
 
-    def _settle(self, lease: Lease, assignments: str, params: list[Any], *, also: str = "") -> None:
+    def _settle(self, lease: Lease, assignments: str, params: list[Any], *, also: str = "", own: bool = False) -> None:
         """One fenced UPDATE: touches the row only while this lease still owns it.
 
         The fence is the owner token: a row has one only while it is ``in_progress`` (every
         settle, the reaper and a retry clear it), so the statement tests the id and the token
         alone and PostgreSQL finds the row by its primary key, never by the status index.
-        ``also``: one more condition (an ack's ``NO_DEPENDENTS``)."""
+        ``also``: one more condition (an ack's ``NO_DEPENDENTS``); ``own``: see ``_execute_queue``."""
         now = timezone.now()
         where = f"id = %s AND owner_token = %s AND {also}" if also else "id = %s AND owner_token = %s"
         sql = f"UPDATE {TABLE} SET {assignments}, {RELEASED}, updated_at = %s WHERE {where}"
-        count, _ = self._execute_queue(sql, [*params, self._adapt(now), lease.token, lease.owner_token])
+        count, _ = self._execute_queue(sql, [*params, self._adapt(now), lease.token, lease.owner_token], own=own)
         if count != 1:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
 
@@ -212,21 +213,34 @@ class DatabaseBackend(QueueBackend):
         finished status) and the resolution of the edges of the jobs waiting for it, committed
         together. Every failure and cancel takes it (they are rare), and an ack whose fast
         statement found the row has dependents."""
+        if self._finish_all([(lease, assignments, params, outcome)]):
+            raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
+
+    def _finish_all(self, settles: list[tuple[Lease, str, list[Any], str]]) -> list[Lease]:
+        """``_finish`` for many leases in one transaction (one commit; on PostgreSQL it commits
+        asynchronously, as the worker's other settles do, unless it runs in the caller's
+        transaction). A lease found lost changed nothing and leaves the others to commit: the
+        leases found lost."""
+        lost, resolution = [], dependencies.Resolution()
+        own = not self._conn.in_atomic_block
         with transaction.atomic(using=self.alias):
-            self._settle(lease, assignments, params)
-            resolution = dependencies.resolve(self.alias, lease.token, outcome)
+            for lease, assignments, params, outcome in settles:
+                first, own = own, False  # SET LOCAL rides on the transaction's first statement
+                try:
+                    self._settle(lease, assignments, params, own=first)
+                except LeaseLost:
+                    lost.append(lease)
+                    continue
+                dependencies.resolve(self.alias, lease.token, outcome, resolution)
         dependencies.record(resolution, self.alias)
+        return lost
 
     def _ack_slowly(self, lost: list[Lease]) -> list[Lease]:
-        """The leases a fenced ack did not settle: acked on the transactional path if they are
-        still ours (their rows have dependents); those truly lost."""
-        still_lost = []
-        for lease in lost:
-            try:
-                self._finish(lease, *self._ack_assignments(lease), "completed")
-            except LeaseLost:
-                still_lost.append(lease)
-        return still_lost
+        """The leases a fenced ack did not settle: acked on the transactional path, all in one
+        transaction, if they are still ours (their rows have dependents); those truly lost."""
+        if not lost:
+            return []
+        return self._finish_all([(lease, *self._ack_assignments(lease), "completed") for lease in lost])
 
     def new_row(self, envelope: Envelope, now: datetime) -> dict[str, Any]:
         """A new row's column values (by attribute name), defaults included."""
