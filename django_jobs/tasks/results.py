@@ -31,6 +31,7 @@ RECORD_WAIT = 1.0
 RECORD_POLL = 0.02
 
 _STATUS = {
+    "waiting": TaskResultStatus.READY,  # waiting for the jobs it depends on
     "pending": TaskResultStatus.READY,  # waiting for its first run, or for a retry
     "in_progress": TaskResultStatus.RUNNING,
     "completed": TaskResultStatus.SUCCESSFUL,
