@@ -6,11 +6,18 @@ message bodies. An idle worker blocks on a notify list instead of polling. ``fet
 a batch ahead of its run: an ahead hash marks those claims, so the reaper hands a lost one back
 without counting a run until the worker ``begin``s it. An aborts hash flags running jobs asked to
 abort; the heartbeat's extend reads it.
+
+Dependencies: a message with parents waits in a blocked hash (its outstanding parents) and is
+attached to each parent in the parent's own queue (a dependents hash), so every script still
+touches one queue's keys. A parent with dependents that settles writes its outcome into its
+queue's finished hash, an outbox that Python drains at once (one resolve script per child, in the
+child's queue) and that ``resolve_dependents`` replays after a crash: every step is idempotent.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from datetime import UTC, datetime, timedelta
@@ -22,12 +29,13 @@ from django.core.exceptions import ImproperlyConfigured
 
 from .. import conf
 from ..envelope import Envelope
-from ..exceptions import InvalidPayload, JobAborted, LeaseLost, WorkerLost
+from ..exceptions import InvalidPayload, JobAborted, LeaseLost, ParentCancelled, ParentFailed, WorkerLost
 from ..retry import after_lost_run
 from . import require
-from .base import AbortRequest, Lease, LiveJob, QueueBackend, decode_lease_body
+from .base import NO_RESULT, AbortRequest, Lease, LiveJob, QueueBackend, decode_lease_body
 
 redis = require("redis", "redis")
+logger = logging.getLogger("django_jobs.backends.redis")
 
 SCRIPTS = (
     "enqueue",
@@ -43,12 +51,22 @@ SCRIPTS = (
     "ack_many_fetch",
     "lose",
     "abort",
+    "block",
+    "attach",
+    "resolve",
+    "drained",
 )
 # Priorities share a float64 score with a 40-bit sequence number: keep them exact.
 PRIORITY_LIMIT = 8000
 REAP_BATCH = 500
 # Seconds the persistence probe waits for the server (it runs at start-up and in health checks).
 PROBE_TIMEOUT = 5.0
+# A settle script's flag for a parent whose outcome entered the outbox: its dependents wait for
+# a drain (``reap.lua`` says 3 for its failed parents, as its 2 means something else).
+HAS_DEPENDENTS = 2
+REAPED_WITH_DEPENDENTS = 3
+# ``Lease.result`` once a kept result was stored before its dependents were released.
+STORED: Any = object()
 
 
 class QueueKeys(NamedTuple):
@@ -70,6 +88,9 @@ class QueueKeys(NamedTuple):
     errors: str  # hash: id -> last error
     ahead: str  # hash: id -> "1" claimed ahead of its run, "2" and an earlier such claim was lost
     aborts: str  # hash: id -> who asked to abort the running job (its heartbeat reads it)
+    dependents: str  # hash: parent id -> JSON [[child id, child queue], ...] attached while it is live
+    finished: str  # hash: parent id -> its outcome, until its dependents are resolved (the outbox)
+    blocked: str  # hash: child id -> JSON [parent id, ...] it still waits for
 
     @classmethod
     def of(cls, prefix: str, queue: str) -> QueueKeys:
@@ -101,6 +122,7 @@ class RedisBackend(QueueBackend):
     supports_priority = True
     pipelines_ack_fetch = True
     supports_prefetch = True
+    supports_dependencies = True
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
@@ -146,28 +168,42 @@ class RedisBackend(QueueBackend):
         self.client  # noqa: B018  (connects and registers the scripts)
         return self._scripts[script](keys=list(self.keys(queue)), args=list(args), client=client)
 
-    def _fenced(self, script: str, lease: Lease, *args: Any) -> None:
-        if not self._run(script, lease.queue, lease.token, lease.owner_token, *args):
+    def _fenced(self, script: str, lease: Lease, *args: Any) -> int:
+        """Run a settle script fenced on ``lease``; its flag (0 raises ``LeaseLost``)."""
+        flag: int = self._run(script, lease.queue, lease.token, lease.owner_token, *args)
+        if not flag:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
+        return flag
 
     # -- protocol --
 
     def _push(self, envelope: Envelope, client: Any = None) -> Any:
-        due = envelope.available_at.timestamp() if envelope.available_at else 0
         priority = max(-PRIORITY_LIMIT, min(PRIORITY_LIMIT, envelope.priority))
+        parents = _parents(envelope)
+        if parents:
+            body, blocked_on = envelope.to_bytes(), json.dumps(parents)
+            return self._run("block", envelope.queue, envelope.id, body, priority, blocked_on, client=client)
+        due = envelope.available_at.timestamp() if envelope.available_at else 0
         return self._run(
             "enqueue", envelope.queue, envelope.id, envelope.to_bytes(), priority, _ms(due), _ms(), client=client
         )
 
     def enqueue(self, envelope: Envelope) -> str:
         self._push(envelope)
+        if _parents(envelope):
+            self._attach([(envelope.id, envelope.queue, _parents(envelope))])
         return envelope.id
 
     def enqueue_many(self, envelopes: list[Envelope]) -> list[str]:
+        """One pipeline stores them all (a child blocked); then the children are attached to
+        their parents, which are stored by then even when they are in this batch."""
         pipe = self.client.pipeline(transaction=False)
         for envelope in envelopes:
             self._push(envelope, client=pipe)
         pipe.execute()
+        children = [(e.id, e.queue, _parents(e)) for e in envelopes if _parents(e)]
+        if children:
+            self._attach(children)
         return [e.id for e in envelopes]
 
     def fetch(self, queue: str) -> Lease | None:
@@ -182,6 +218,8 @@ class RedisBackend(QueueBackend):
         reply = self._run("ack_fetch", queue, lease.token, lease.owner_token, now, deadline, owner)
         if not reply[0]:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
+        if reply[0] == HAS_DEPENDENTS:
+            self._completed([lease])
         return self._leased(queue, reply[1], reply[2], owner, deadline)
 
     @staticmethod
@@ -215,7 +253,9 @@ class RedisBackend(QueueBackend):
             by_queue.setdefault(lease.queue, []).append(lease)
         lost: list[Lease] = []
         for queue, group in by_queue.items():  # one script per queue (one cluster slot)
-            lost += _lost(group, self._run("ack_many", queue, _acks(group)))
+            flags = self._run("ack_many", queue, _acks(group))
+            self._completed(_parents_done(group, flags))
+            lost += _lost(group, flags)
         return lost
 
     def ack_many_and_fetch(self, leases: list[Lease], queue: str, limit: int) -> tuple[list[Lease], list[Lease]]:
@@ -223,6 +263,7 @@ class RedisBackend(QueueBackend):
             return super().ack_many_and_fetch(leases, queue, limit)
         owner, now, deadline = self._new_lease()
         acked, reply = self._run("ack_many_fetch", queue, _acks(leases), now, deadline, owner, limit)
+        self._completed(_parents_done(leases, acked))
         return _lost(leases, acked), self._claimed(queue, reply, owner, deadline)
 
     def _claimed(self, queue: str, reply: list[Any], owner: str, deadline: int) -> list[Lease]:
@@ -238,7 +279,25 @@ class RedisBackend(QueueBackend):
         return leases
 
     def ack(self, lease: Lease, *, count_run: bool = True) -> None:
-        self._fenced("ack", lease)
+        if self._fenced("ack", lease, "completed") == HAS_DEPENDENTS:
+            self._completed([lease])
+
+    def cancel(self, lease: Lease, reason: str, *, count_run: bool = True) -> None:
+        """Forget the aborted message and keep a cancelled ``Job`` row; its dependents are then
+        resolved as of a cancelled parent."""
+        from ..audit import record_cancelled  # the models load after the app registry
+
+        flag = self._fenced("ack", lease, "cancelled")
+        if lease.envelope is not None:
+            env = lease.envelope
+            record_cancelled(env, reason, self.name, env.attempts + int(count_run), lease.queue)
+        if flag == HAS_DEPENDENTS:
+            self._release([(lease.token, lease.queue)])
+
+    def keep_result(self, lease: Lease, value: Any) -> None:
+        """A result stored before the job's dependents were released is not stored again."""
+        if lease.result is not STORED:
+            super().keep_result(lease, value)
 
     def nack(self, lease: Lease, delay: float, *, error: str = "", count_run: bool = True) -> None:
         env = lease.envelope
@@ -251,7 +310,8 @@ class RedisBackend(QueueBackend):
     def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
         env = lease.envelope
         body = b"" if env is None else (env.next_attempt() if count_run else env).to_bytes()
-        self._fenced("abandon", lease, body, _ms(), error)
+        if self._fenced("abandon", lease, body, _ms(), error) == HAS_DEPENDENTS:
+            self._release([(lease.token, lease.queue)])
 
     def peek(self, job_id: str) -> LiveJob | None:
         """Looks in every queue of ``JOBS["QUEUES"]`` (one round trip): a message is live while
@@ -311,8 +371,180 @@ class RedisBackend(QueueBackend):
                     reason = JobAborted.describe(requested_by)
                     record_cancelled(envelope, reason, self.name, envelope.attempts, queue)
                     record(job_id, envelope.attempts + 1, AttemptOutcome.CANCELLED, error=reason, worker=requested_by)
+                if reply[2] == HAS_DEPENDENTS:
+                    self._release([(job_id, queue)])
                 return "cancelled"
         return "unknown"
+
+    # -- dependencies --
+
+    def _completed(self, leases: list[Lease]) -> None:
+        """These parents completed and jobs depend on them: a kept result is stored first (a
+        dependent may be handed it), then their dependents are resolved."""
+        if not leases:
+            return
+        for lease in leases:
+            if lease.result is not NO_RESULT and lease.result is not STORED:
+                super().keep_result(lease, lease.result)
+                lease.result = STORED
+        self._release([(lease.token, lease.queue) for lease in leases])
+
+    def _release(self, parents: list[tuple[str, str]]) -> None:
+        """Resolve the dependents of parents, (id, queue), that just settled. Their settle is
+        done: an error here is logged, not raised (a settle tried again would find its lease
+        gone), and the reaper's sweep replays their outbox entries."""
+        try:
+            self._drain(parents)
+        except Exception:
+            ids = ", ".join(parent for parent, _ in parents)
+            logger.exception("could not resolve the dependents of job(s) %s now; the reaper's sweep will", ids)
+
+    def _attach(self, children: list[tuple[str, str, list[str]]]) -> None:
+        """``_link`` for children just stored blocked. They are dispatched: an error here is
+        logged, not raised, and the reaper's sweep links them."""
+        try:
+            self._link(children)
+        except Exception:
+            ids = ", ".join(child for child, _, _ in children)
+            logger.exception("could not attach job(s) %s to their parents now; the reaper's sweep will", ids)
+
+    def _link(self, children: list[tuple[str, str, list[str]]]) -> int:
+        """Attach blocked children, (id, queue, outstanding parent ids), to each parent in the
+        queue of ``JOBS["QUEUES"]`` that holds it live: the child's own queue is asked first (a
+        flow usually keeps to one), the others only for parents it does not hold. An edge to a
+        parent no longer live is resolved at once. Returns how many dependents that moved on."""
+        queues = conf.queues()
+        said: dict[tuple[str, str, str], str] = {}
+        pending = [(child, queue, parent) for child, queue, parents in children for parent in parents]
+        for own in (True, False):
+            asked: list[tuple[str, str, str]] = []
+            pipe = self.client.pipeline(transaction=False)
+            for edge in pending:
+                child, child_queue, parent = edge
+                for queue in [child_queue] if own else [q for q in queues if q != child_queue]:
+                    self._run("attach", queue, parent, child, child_queue, client=pipe)
+                    asked.append(edge)
+            replies: dict[tuple[str, str, str], list[str]] = {}
+            for edge, reply in zip(asked, pipe.execute() if asked else [], strict=True):
+                replies.setdefault(edge, []).append(_text(reply))
+            for edge, seen in replies.items():
+                said[edge] = "attached" if "attached" in seen else next((s for s in seen if s != "gone"), "gone")
+            pending = [edge for edge in pending if said.get(edge) == "gone"]
+        loose = [(child, queue, parent, said[child, queue, parent]) for child, queue, parent in said]
+        loose = [edge for edge in loose if edge[3] != "attached"]
+        on_record = self._outcomes_on_record([parent for _, _, parent, outcome in loose if outcome == "gone"])
+        return self._resolve(
+            [
+                (child, queue, parent, on_record.get(parent, "completed") if outcome == "gone" else outcome)
+                for child, queue, parent, outcome in loose
+            ]
+        )
+
+    def _outcomes_on_record(self, ids: list[str]) -> dict[str, str]:
+        """The outcome of parents this backend no longer holds: a failed or cancelled ``Job`` row
+        of this backend says it; otherwise it completed (Redis forgets completed jobs)."""
+        if not ids:
+            return {}
+        from ..models import Job, JobStatus  # the models load after the app registry
+
+        rows = Job.objects.filter(pk__in=ids, backend=self.name, status__in=(JobStatus.FAILED, JobStatus.CANCELLED))
+        return {str(pk): str(status) for pk, status in rows.values_list("pk", "status")}
+
+    def _drain(self, parents: list[tuple[str, str]]) -> int:
+        """Resolve the edges of settled parents, (id, queue), from their queue's outbox, then
+        take them out of it; a dependent failed or cancelled in turn cascades. Returns how many
+        dependents moved on."""
+        resolved = 0
+        while parents:
+            pipe = self.client.pipeline(transaction=False)
+            for parent, queue in parents:
+                keys = self.keys(queue)
+                pipe.hget(keys.finished, parent)
+                pipe.hget(keys.dependents, parent)
+            replies = pipe.execute()
+            edges, done = [], []
+            for i, (parent, queue) in enumerate(parents):
+                outcome, attached = replies[2 * i], replies[2 * i + 1]
+                if outcome is None:  # drained meanwhile
+                    continue
+                children = json.loads(attached) if attached else []
+                edges += [(child, child_queue, parent, _text(outcome)) for child, child_queue in children]
+                done.append((parent, queue, json.dumps([child for child, _ in children])))
+            settled: list[tuple[str, str]] = []
+            resolved += self._resolve(edges, settled)
+            pipe = self.client.pipeline(transaction=False)
+            for parent, queue, children in done:
+                self._run("drained", queue, parent, children, client=pipe)
+            pipe.execute()
+            parents = settled
+        return resolved
+
+    def _resolve(self, edges: list[tuple[str, str, str, str]], settled: list[tuple[str, str]] | None = None) -> int:
+        """Resolve edges (child, child's queue, parent, the parent's outcome), each in its
+        child's queue (``resolve.lua`` applies :func:`~django_jobs.flows.edges_verdict`'s rule).
+        A dependent this settles is recorded (a ``Job`` row, its attempt history); one that has
+        dependents of its own is appended to ``settled`` for the caller to drain, or drained
+        here when ``settled`` is ``None``. Returns how many dependents moved on (became ready,
+        failed or cancelled): a replayed edge moves none."""
+        from ..audit import record_cancelled  # the models load after the app registry
+        from ..flows import FLOW_WORKER, EdgesVerdict
+        from ..history import record
+
+        if not edges:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        now = _ms()
+        for child, child_queue, parent, outcome in edges:
+            self._run("resolve", child_queue, child, parent, outcome, now, _reason(parent, outcome), client=pipe)
+        cascade: list[tuple[str, str]] = []
+        moved = 0
+        for (child, child_queue, parent, outcome), reply in zip(edges, pipe.execute(), strict=True):
+            state = _text(reply[0])
+            moved += state not in ("none", "waiting")
+            if state not in ("failed", "cancelled"):
+                continue
+            verdict = EdgesVerdict("failed" if state == "failed" else "cancelled", parent, _reason(parent, outcome))
+            envelope, _ = decode_lease_body(reply[1])
+            if envelope is not None:  # an undecodable body stays in the failed set for audit
+                if verdict.state == "failed":
+                    self.record_failure(envelope, verdict.reason, envelope.attempts, child_queue)
+                else:
+                    record_cancelled(envelope, verdict.reason, self.name, envelope.attempts, child_queue)
+                record(
+                    child,
+                    envelope.attempts + 1,
+                    verdict.state,
+                    error=verdict.reason,
+                    error_class=verdict.error_class,
+                    worker=FLOW_WORKER,
+                    using=self.history_alias,
+                )
+            if reply[2] == HAS_DEPENDENTS:
+                cascade.append((child, child_queue))
+        if settled is None:
+            moved += self._drain(cascade)
+        else:
+            settled += cascade
+        return moved
+
+    def resolve_dependents(self) -> int:
+        """The safety net the reaper runs: replay every queue's outbox (parents that settled
+        while their dependents' resolution did not finish), then look at each blocked message's
+        outstanding parents again (``_link``): attached to a live parent it waits; otherwise (a
+        crash between its dispatch and its attach) the edge is resolved. Every step is
+        idempotent. Returns how many dependents moved on."""
+        queues = conf.queues()
+        outbox = [(_text(parent), queue) for queue in queues for parent in self.client.hkeys(self.keys(queue).finished)]
+        resolved = self._drain(outbox)
+        for queue in queues:
+            batch: list[tuple[str, str, list[str]]] = []
+            for child, parents in self.client.hscan_iter(self.keys(queue).blocked, count=REAP_BATCH):
+                batch.append((_text(child), queue, json.loads(parents)))
+                if len(batch) >= REAP_BATCH:
+                    resolved += self._link(batch)
+                    batch = []
+            resolved += self._link(batch) if batch else 0
+        return resolved
 
     def reap_expired(self, queue: str | None = None) -> int:
         """Each expired lease counts as a failed run: requeued with backoff, or failed. One
@@ -354,10 +586,13 @@ class RedisBackend(QueueBackend):
                     new_body = env.next_attempt().to_bytes()
                 done = self._run("reap", queue, job_id, owner or b"", now, action, new_body, due, error)
                 reaped += done != 0
-                if done == 1 and env is not None:  # a lost run (2: claimed ahead, handed back uncounted)
+                # A lost run (2: claimed ahead, handed back uncounted).
+                if done in (1, REAPED_WITH_DEPENDENTS) and env is not None:
                     lost_run(self, env.id, queue, env.attempts + 1, error, retry_in=retry_in, handler=env.handler)
                     if action == "fail":
                         self.record_failure(env, error, env.attempts + 1, queue)
+                if done == REAPED_WITH_DEPENDENTS:
+                    self._release([(_text(job_id), queue)])
         return reaped
 
     def wait_for_work(self, queues: list[str], timeout: float) -> bool:
@@ -376,12 +611,15 @@ class RedisBackend(QueueBackend):
         return counts["pending"] + counts["delayed"] + counts["in_progress"]
 
     def stats(self, queue: str) -> dict[str, int]:
+        """``delayed`` counts the jobs blocked until their parents finished too: like a job due
+        later, they are held, not ready."""
         keys = self.keys(queue)
         pipe = self.client.pipeline(transaction=False)
         for key in (keys.waiting, keys.delayed, keys.processing, keys.failed):
             pipe.zcard(key)
-        waiting, delayed, processing, failed = pipe.execute()
-        return {"pending": waiting, "delayed": delayed, "in_progress": processing, "failed": failed}
+        pipe.hlen(keys.blocked)
+        ready, delayed, processing, failed, blocked = pipe.execute()
+        return {"pending": ready, "delayed": delayed + blocked, "in_progress": processing, "failed": failed}
 
     def oldest_ready_age(self, queue: str) -> float | None:
         """Redis keeps no enqueue time of its own: a message's readiness is known from its due
@@ -463,6 +701,22 @@ def _address(client: Any) -> str:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
+def _parents(envelope: Envelope) -> list[str]:
+    """The ids of the jobs ``envelope`` waits for (none repeated)."""
+    parents = envelope.options.get("parents")
+    return list(dict.fromkeys(parents)) if parents else []
+
+
+def _reason(parent: str, outcome: str) -> str:
+    """The last error of a dependent settled because of its parent's ``outcome``."""
+    return (ParentCancelled if outcome == "cancelled" else ParentFailed).describe(parent)
+
+
+def _parents_done(leases: list[Lease], flags: list[int]) -> list[Lease]:
+    """The leases a batch ack settled while jobs depend on them (flag 2)."""
+    return [lease for lease, flag in zip(leases, flags, strict=True) if flag == HAS_DEPENDENTS]
 
 
 def _acks(leases: list[Lease]) -> str:

@@ -1,6 +1,7 @@
--- Abort a message of this queue: a waiting or delayed one is taken out and forgotten, a leased
--- one is flagged for its worker's heartbeat (extend.lua reads the flag; a final settle clears it).
--- Returns {'cancelled', body}, {'asked'}, or {'unknown'} (not here, or kept as failed).
+-- Abort a message of this queue: a waiting, delayed or blocked one is taken out and forgotten,
+-- a leased one is flagged for its worker's heartbeat (extend.lua reads the flag; a final settle
+-- clears it). Returns {'cancelled', body, settled's flag}, {'asked'}, or {'unknown'} (not here,
+-- or kept as failed).
 local id = ARGV[1]
 local who = ARGV[2]
 
@@ -12,5 +13,6 @@ if redis.call('ZSCORE', processing_key, id) then
 end
 redis.call('ZREM', waiting_key, id)
 redis.call('ZREM', delayed_key, id)
+redis.call('HDEL', blocked_key, id)
 forget(id)
-return {'cancelled', body}
+return {'cancelled', body, settled(id, 'cancelled')}

@@ -1,5 +1,6 @@
 -- Ack a leased message and lease the next one in one round trip. Returns {0} when the ack is
--- fenced off (nothing is leased then), else {1, id, body} or {1, false, next_due_ms_or_false}.
+-- fenced off (nothing is leased then), else {settled's flag, id, body} or
+-- {settled's flag, false, next_due_ms_or_false}.
 local id = ARGV[1]
 local owner = ARGV[2]
 local now = tonumber(ARGV[3])   -- ms
@@ -8,5 +9,6 @@ local new_owner = ARGV[5]
 
 if not owned(id, owner) then return {0} end
 forget(id)
+local flag = settled(id, 'completed')
 local leased = lease_next(now, deadline, new_owner)
-return {1, leased[1], leased[2]}
+return {flag, leased[1], leased[2]}

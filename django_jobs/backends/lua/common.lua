@@ -12,6 +12,9 @@ local failed_key = KEYS[9]      -- zset: failure ms -> id, kept for audit
 local errors_key = KEYS[10]     -- hash: id -> last error
 local ahead_key = KEYS[11]      -- hash: id -> '1' claimed ahead of its run, '2' and an earlier such claim was lost
 local aborts_key = KEYS[12]     -- hash: id -> who asked to abort the job (read by extend.lua)
+local dependents_key = KEYS[13] -- hash: parent id -> JSON [[child id, child queue], ...] (attach.lua)
+local finished_key = KEYS[14]   -- hash: parent id -> its outcome, until every edge is resolved (outbox)
+local blocked_key = KEYS[15]    -- hash: child id -> JSON [parent id, ...] still outstanding
 
 -- 2^40: one priority step in a waiting score, above any sequence number.
 local PRIORITY_STEP = 1099511627776
@@ -57,6 +60,15 @@ local function forget(id)
   redis.call('HDEL', priorities_key, id)
   redis.call('HDEL', errors_key, id)
   redis.call('HDEL', aborts_key, id)
+end
+
+-- `id` settled for good with `outcome` ('completed', 'failed' or 'cancelled'). When messages
+-- depend on it, the outcome enters the outbox for the caller to resolve their edges (resolve.lua
+-- in each child's queue, then drained.lua): returns 2 then, else 1.
+local function settled(id, outcome)
+  if redis.call('HEXISTS', dependents_key, id) == 0 then return 1 end
+  redis.call('HSET', finished_key, id, outcome)
+  return 2
 end
 
 -- Make due delayed messages ready.
@@ -111,14 +123,17 @@ local function claim_ahead(now, deadline, owner, limit)
   return claimed
 end
 
--- Ack each {id, owner} of `acks`, fenced one by one: one flag per pair, 1 acked (forgotten)
--- or 0 lost (left alone).
+-- Ack each {id, owner} of `acks`, fenced one by one: one flag per pair, 1 acked (forgotten),
+-- 2 acked with dependents (in the outbox: see settled) or 0 lost (left alone).
 local function ack_each(acks)
   local acked = {}
   for _, pair in ipairs(acks) do
-    local ok = owned(pair[1], pair[2])
-    if ok then forget(pair[1]) end
-    table.insert(acked, ok and 1 or 0)
+    local flag = 0
+    if owned(pair[1], pair[2]) then
+      forget(pair[1])
+      flag = settled(pair[1], 'completed')
+    end
+    table.insert(acked, flag)
   end
   return acked
 end

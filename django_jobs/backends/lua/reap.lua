@@ -1,6 +1,7 @@
 -- Recover one expired lease. Claimed ahead (maybe never started): back to waiting as it was,
 -- not a run, marked '2' so its next claim ahead must begin; returns 2. Else a lost run
--- (`action`): requeue it (retries left) or fail it; returns 1.
+-- (`action`): requeue it (retries left) or fail it; returns 1, or 3 when it failed and messages
+-- depend on it (its outcome is in the outbox: see settled).
 -- Acts only if the same lease is still held and still expired: a heartbeat or a settle that
 -- happened since the listing wins (returns 0).
 local id = ARGV[1]
@@ -26,5 +27,6 @@ if action == 'retry' then
   requeue(id, due, now)
 else
   fail(id, now, last_error)
+  if settled(id, 'failed') == 2 then return 3 end
 end
 return 1
