@@ -608,18 +608,17 @@ class RedisBackend(QueueBackend):
 
     def size(self, queue: str) -> int:
         counts = self.stats(queue)
-        return counts["pending"] + counts["delayed"] + counts["in_progress"]
+        return counts["pending"] + counts["delayed"] + counts["in_progress"] + counts["waiting"]
 
     def stats(self, queue: str) -> dict[str, int]:
-        """``delayed`` counts the jobs blocked until their parents finished too: like a job due
-        later, they are held, not ready."""
+        """``waiting``: the jobs blocked until their parents finished."""
         keys = self.keys(queue)
         pipe = self.client.pipeline(transaction=False)
         for key in (keys.waiting, keys.delayed, keys.processing, keys.failed):
             pipe.zcard(key)
         pipe.hlen(keys.blocked)
         ready, delayed, processing, failed, blocked = pipe.execute()
-        return {"pending": ready, "delayed": delayed + blocked, "in_progress": processing, "failed": failed}
+        return {"pending": ready, "delayed": delayed, "in_progress": processing, "failed": failed, "waiting": blocked}
 
     def oldest_ready_age(self, queue: str) -> float | None:
         """Redis keeps no enqueue time of its own: a message's readiness is known from its due

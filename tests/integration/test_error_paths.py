@@ -63,7 +63,7 @@ def test_redis_ack_and_fetch_across_queues_acks_then_leases_from_the_other_queue
 
     assert following is not None
     assert (following.queue, following.envelope.id) == ("other", second.id)
-    assert redis_backend.stats("default") == {"pending": 0, "delayed": 0, "in_progress": 0, "failed": 0}
+    assert redis_backend.stats("default") == {"pending": 0, "delayed": 0, "in_progress": 0, "failed": 0, "waiting": 0}
 
 
 def test_redis_reaps_a_hand_written_lease_without_a_body_as_failed(redis_backend):
@@ -75,7 +75,7 @@ def test_redis_reaps_a_hand_written_lease_without_a_body_as_failed(redis_backend
 
     assert redis_backend.reap_expired("default") == 1
 
-    assert redis_backend.stats("default") == {"pending": 0, "delayed": 0, "in_progress": 0, "failed": 1}
+    assert redis_backend.stats("default") == {"pending": 0, "delayed": 0, "in_progress": 0, "failed": 1, "waiting": 0}
     assert client.zscore(keys.failed, "orphan") is not None
     assert client.hget(keys.errors, "orphan") == b"WorkerLost: lease expired (worker crashed or stalled)"
     # Nothing decodable: no Job row could be written for it.

@@ -402,10 +402,10 @@ def test_a_job_without_dependents_settles_without_any_dependency_step(
     assert outbox_and_edges_empty(backend)
 
 
-def test_stats_count_blocked_jobs_as_delayed(backend):
+def test_stats_count_blocked_jobs_as_waiting(backend):
     parent = job(backend)
     job(backend, parent.id)
     job(backend, parent.id, delay=3600)
 
-    assert backend.stats("default") == {"pending": 1, "delayed": 2, "in_progress": 0, "failed": 0}
+    assert backend.stats("default") == {"pending": 1, "delayed": 0, "in_progress": 0, "failed": 0, "waiting": 2}
     assert backend.size("default") == 3

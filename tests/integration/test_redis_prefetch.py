@@ -89,7 +89,7 @@ def test_a_batch_comes_in_priority_then_fifo_order_all_claimed_ahead(backend):
     assert len({lease.owner_token for lease in batch}) == 1, "one owner token per batch"
     assert all(lease.expires_at > timezone.now() for lease in batch)
     assert all(ahead_mark(backend, lease.token) == b"1" for lease in batch)
-    assert backend.stats("default") == {"pending": 0, "delayed": 0, "in_progress": 5, "failed": 0}
+    assert backend.stats("default") == {"pending": 0, "delayed": 0, "in_progress": 5, "failed": 0, "waiting": 0}
 
 
 def test_the_limit_is_respected_and_the_rest_waits(backend):
@@ -369,6 +369,6 @@ def test_peek_and_stats_see_messages_claimed_ahead(backend):
 
     live = backend.peek(env.id)
     assert live is not None and live.state == "in_progress"
-    assert backend.stats("default") == {"pending": 1, "delayed": 0, "in_progress": 1, "failed": 0}
+    assert backend.stats("default") == {"pending": 1, "delayed": 0, "in_progress": 1, "failed": 0, "waiting": 0}
     lost_and_reaped(backend, lease)
-    assert backend.stats("default") == {"pending": 2, "delayed": 0, "in_progress": 0, "failed": 0}
+    assert backend.stats("default") == {"pending": 2, "delayed": 0, "in_progress": 0, "failed": 0, "waiting": 0}

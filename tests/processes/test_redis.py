@@ -68,7 +68,7 @@ def runs_with_prefix(prefix: str) -> Any:
 
 
 def zero_stats() -> dict[str, int]:
-    return {"pending": 0, "delayed": 0, "in_progress": 0, "failed": 0}
+    return {"pending": 0, "delayed": 0, "in_progress": 0, "failed": 0, "waiting": 0}
 
 
 @pytest.fixture
@@ -678,7 +678,7 @@ def test_stats_and_size_count_waiting_delayed_in_progress_and_failed(backend):
     assert held is not None and dropped is not None
     backend.abandon(dropped, "test: failed for good")
 
-    expected = {"pending": 2, "delayed": 2, "in_progress": 1, "failed": 1}
+    expected = {"pending": 2, "delayed": 2, "in_progress": 1, "failed": 1, "waiting": 0}
     assert backend.stats("default") == expected
     assert backend.size("default") == 5, "waiting + delayed + leased; failed is settled"
     assert backend.stats("other") == zero_stats()

@@ -18,6 +18,12 @@ for _, other in ipairs(cjson.decode(raw)) do
   if other == parent then found = true else table.insert(left, other) end
 end
 if not found then return {'none'} end
+local function still_blocked()
+  redis.call('HSET', blocked_key, id, cjson.encode(left))
+  return {'waiting'}
+end
+local failed = outcome ~= 'completed'
+if not failed and #left > 0 then return still_blocked() end  -- the usual case: its body is not read
 local body = redis.call('HGET', bodies_key, id)
 if not body then  -- its body was purged by hand: nothing left to run or settle
   redis.call('HDEL', blocked_key, id)
@@ -27,7 +33,7 @@ local decoded, envelope = pcall(cjson.decode, body)  -- not decodable: the worke
 if not decoded or type(envelope) ~= 'table' then envelope = {} end
 local options = type(envelope.options) == 'table' and envelope.options or {}
 
-if outcome ~= 'completed' and options.run_if_parent_fails ~= true then
+if failed and options.run_if_parent_fails ~= true then
   redis.call('HDEL', blocked_key, id)
   if outcome == 'failed' then
     fail(id, now, reason)
@@ -36,10 +42,7 @@ if outcome ~= 'completed' and options.run_if_parent_fails ~= true then
   end
   return {outcome, body, settled(id, outcome)}
 end
-if #left > 0 then
-  redis.call('HSET', blocked_key, id, cjson.encode(left))
-  return {'waiting'}
-end
+if #left > 0 then return still_blocked() end
 redis.call('HDEL', blocked_key, id)
 local due = type(envelope.available_at) == 'number' and math.floor(envelope.available_at * 1000) or 0
 requeue(id, due, now)
