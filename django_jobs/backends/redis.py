@@ -59,6 +59,8 @@ SCRIPTS = (
 # Priorities share a float64 score with a 40-bit sequence number: keep them exact.
 PRIORITY_LIMIT = 8000
 REAP_BATCH = 500
+# Edges one attach script links (so that a group of thousands does not hold Redis up at once).
+LINK_BATCH = 500
 # Seconds the persistence probe waits for the server (it runs at start-up and in health checks).
 PROBE_TIMEOUT = 5.0
 # A settle script's flag for a parent whose outcome entered the outbox: its dependents wait for
@@ -411,26 +413,32 @@ class RedisBackend(QueueBackend):
     def _link(self, children: list[tuple[str, str, list[str]]]) -> int:
         """Attach blocked children, (id, queue, outstanding parent ids), to each parent in the
         queue of ``JOBS["QUEUES"]`` that holds it live: the child's own queue is asked first (a
-        flow usually keeps to one), the others only for parents it does not hold. An edge to a
-        parent no longer live is resolved at once. Returns how many dependents that moved on."""
+        flow usually keeps to one), the others only for parents it does not hold; one script per
+        queue asked and ``LINK_BATCH`` edges. An edge to a parent no longer live is resolved at once. Returns how many
+        dependents that moved on."""
         queues = conf.queues()
         said: dict[tuple[str, str, str], str] = {}
         pending = [(child, queue, parent) for child, queue, parents in children for parent in parents]
         for own in (True, False):
-            asked: list[tuple[str, str, str]] = []
-            pipe = self.client.pipeline(transaction=False)
+            asked: dict[str, list[tuple[str, str, str]]] = {}
             for edge in pending:
-                child, child_queue, parent = edge
-                for queue in [child_queue] if own else [q for q in queues if q != child_queue]:
-                    self._run("attach", queue, parent, child, child_queue, client=pipe)
-                    asked.append(edge)
+                for queue in [edge[1]] if own else [q for q in queues if q != edge[1]]:
+                    asked.setdefault(queue, []).append(edge)
+            chunks = [
+                (q, edges[i : i + LINK_BATCH]) for q, edges in asked.items() for i in range(0, len(edges), LINK_BATCH)
+            ]
+            pipe = self.client.pipeline(transaction=False)
+            for queue, chunk in chunks:
+                edges_json = json.dumps([[parent, child, child_queue] for child, child_queue, parent in chunk])
+                self._run("attach", queue, edges_json, client=pipe)
             replies: dict[tuple[str, str, str], list[str]] = {}
-            for edge, reply in zip(asked, pipe.execute() if asked else [], strict=True):
-                replies.setdefault(edge, []).append(_text(reply))
+            for (_, chunk), reply in zip(chunks, pipe.execute() if chunks else [], strict=True):
+                for edge, outcome in zip(chunk, reply, strict=True):
+                    replies.setdefault(edge, []).append(_text(outcome))
             for edge, seen in replies.items():
                 said[edge] = "attached" if "attached" in seen else next((s for s in seen if s != "gone"), "gone")
             pending = [edge for edge in pending if said.get(edge) == "gone"]
-        loose = [(child, queue, parent, said[child, queue, parent]) for child, queue, parent in said]
+        loose = [(child, queue, parent, outcome) for (child, queue, parent), outcome in said.items()]
         loose = [edge for edge in loose if edge[3] != "attached"]
         on_record = self._outcomes_on_record([parent for _, _, parent, outcome in loose if outcome == "gone"])
         return self._resolve(

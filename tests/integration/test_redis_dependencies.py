@@ -364,6 +364,48 @@ def test_the_sweep_resolves_a_child_whose_attach_never_happened(backend, parent_
         assert is_ready(backend, child.id)
 
 
+def test_a_child_of_more_parents_than_one_attach_script_links(backend):
+    from django_jobs.backends.redis import LINK_BATCH
+
+    builder = scripted.using(backend="redis", backoff={"strategy": "none"})
+    parents = [builder.builder(action="ok").build() for _ in range(LINK_BATCH * 2 + 1)]
+    child = builder.builder(action="ok").depends_on(*(p.id for p in parents)).build()
+    backend.enqueue_many([*parents, child])
+    assert backend.client.hlen(backend.keys("default").dependents) == len(parents)
+    assert backend.resolve_dependents() == 0  # every edge attached: nothing to do, nothing added
+    before = readied(backend)
+
+    while claimed := backend.fetch_many("default", 100):
+        assert backend.ack_many(claimed) == []
+        if child.id in [lease.token for lease in claimed]:
+            break
+
+    assert readied(backend) == before + 1
+    assert outbox_and_edges_empty(backend)
+
+
+def test_parents_with_ids_that_json_escapes_are_resolved_one_by_one(backend):
+    from dataclasses import replace
+
+    from django_jobs import signing
+
+    odd = ["a/b", "é", 'q"uote', "x\\y", "a", "[b],"]
+    parents = []
+    for job_id in odd:  # ids as another system may choose them: signed under that id
+        env = replace(scripted.using(backend="redis").builder(action="ok").build(), id=job_id)
+        env.signature = signing.sign(env)
+        backend.enqueue(env)
+        parents.append(env)
+    child = job(backend, *odd)
+    assert blocked_on(backend, child.id) == odd
+
+    for done, parent in enumerate(parents, 1):
+        backend.ack(leased(backend, parent.id))
+        assert blocked_on(backend, child.id) == (odd[done:] or None)
+
+    assert is_ready(backend, child.id)
+
+
 # -- batches and the hot path --
 
 

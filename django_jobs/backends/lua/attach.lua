@@ -1,23 +1,29 @@
--- Attach a blocked child (of any queue) to a parent of this queue, once however often it is
--- asked. Returns 'attached' while the parent is live here (its body kept, not failed); else
--- its outcome while it waits in the outbox, 'failed' while it is kept as failed, or 'gone'
--- when this queue does not hold it.
-local parent = ARGV[1]
-local child = ARGV[2]
-local child_queue = ARGV[3]
+-- Attach blocked children (of any queue) to parents of this queue, each once however often it is
+-- asked. One reply per edge, in order: 'attached' while the parent is live here (its body kept,
+-- not failed); else its outcome while it waits in the outbox, 'failed' while it is kept as
+-- failed, or 'gone' when this queue does not hold it.
+local edges = ARGV[1]           -- JSON: [[parent id, child id, child queue], ...]
 
-local failed = redis.call('ZSCORE', failed_key, parent)
-if redis.call('HEXISTS', bodies_key, parent) == 1 and not failed then
-  local raw = redis.call('HGET', dependents_key, parent)
-  local children = raw and cjson.decode(raw) or {}
-  for _, edge in ipairs(children) do
-    if edge[1] == child then return 'attached' end
+local function attach(parent, child, child_queue)
+  local failed = redis.call('ZSCORE', failed_key, parent)
+  if redis.call('HEXISTS', bodies_key, parent) == 1 and not failed then
+    local raw = redis.call('HGET', dependents_key, parent)
+    local edge = cjson.encode({child, child_queue})
+    if not raw then
+      redis.call('HSET', dependents_key, parent, '[' .. edge .. ']')
+    elseif not string.find(raw, '[' .. cjson.encode(child) .. ',', 1, true) then  -- a string holds no bare quote
+      redis.call('HSET', dependents_key, parent, string.sub(raw, 1, -2) .. ',' .. edge .. ']')
+    end
+    return 'attached'
   end
-  table.insert(children, {child, child_queue})
-  redis.call('HSET', dependents_key, parent, cjson.encode(children))
-  return 'attached'
+  local outcome = redis.call('HGET', finished_key, parent)
+  if outcome then return outcome end
+  if failed then return 'failed' end
+  return 'gone'
 end
-local outcome = redis.call('HGET', finished_key, parent)
-if outcome then return outcome end
-if failed then return 'failed' end
-return 'gone'
+
+local said = {}
+for _, edge in ipairs(cjson.decode(edges)) do
+  table.insert(said, attach(edge[1], edge[2], edge[3]))
+end
+return said

@@ -11,5 +11,5 @@ redis.call('HSET', priorities_key, id, priority)
 redis.call('ZREM', failed_key, id)
 redis.call('HDEL', errors_key, id)
 redis.call('HDEL', aborts_key, id)
-redis.call('HSET', blocked_key, id, parents)
+redis.call('HSET', blocked_key, id, cjson.encode(cjson.decode(parents)))  -- as resolve.lua searches it
 return 1

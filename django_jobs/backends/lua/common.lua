@@ -71,6 +71,24 @@ local function settled(id, outcome)
   return 2
 end
 
+-- `list`, a compact JSON array as cjson writes it, without its element `token` (an element
+-- as cjson encodes it); nil when `token` is not one of its elements. Plain string search and
+-- copy: a job's list of thousands of parents is never decoded into a table to drop one.
+local function without(list, token)
+  local from = 1
+  while true do
+    local i, j = string.find(list, token, from, true)
+    if not i then return nil end
+    local before, after = string.sub(list, i - 1, i - 1), string.sub(list, j + 1, j + 1)
+    if (before == '[' or before == ',') and (after == ']' or after == ',') then
+      if before == ',' then return string.sub(list, 1, i - 2) .. string.sub(list, j + 1) end
+      if after == ',' then return string.sub(list, 1, i - 1) .. string.sub(list, j + 2) end
+      return '[]'
+    end
+    from = i + 1
+  end
+end
+
 -- Make due delayed messages ready.
 local function promote(now)
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', delayed_key, '-inf', now, 'LIMIT', 0, 200)) do

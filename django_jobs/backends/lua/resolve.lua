@@ -13,17 +13,14 @@ local reason = ARGV[5]          -- the last error of a message it settles
 
 local raw = redis.call('HGET', blocked_key, id)
 if not raw then return {'none'} end
-local left, found = {}, false
-for _, other in ipairs(cjson.decode(raw)) do
-  if other == parent then found = true else table.insert(left, other) end
-end
-if not found then return {'none'} end
+local left = without(raw, cjson.encode(parent))
+if not left then return {'none'} end
 local function still_blocked()
-  redis.call('HSET', blocked_key, id, cjson.encode(left))
+  redis.call('HSET', blocked_key, id, left)
   return {'waiting'}
 end
 local failed = outcome ~= 'completed'
-if not failed and #left > 0 then return still_blocked() end  -- the usual case: its body is not read
+if not failed and left ~= '[]' then return still_blocked() end  -- the usual case: its body is not read
 local body = redis.call('HGET', bodies_key, id)
 if not body then  -- its body was purged by hand: nothing left to run or settle
   redis.call('HDEL', blocked_key, id)
@@ -42,7 +39,7 @@ if failed and options.run_if_parent_fails ~= true then
   end
   return {outcome, body, settled(id, outcome)}
 end
-if #left > 0 then return still_blocked() end
+if left ~= '[]' then return still_blocked() end
 redis.call('HDEL', blocked_key, id)
 local due = type(envelope.available_at) == 'number' and math.floor(envelope.available_at * 1000) or 0
 requeue(id, due, now)
