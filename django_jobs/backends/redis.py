@@ -309,11 +309,25 @@ class RedisBackend(QueueBackend):
         again.available_at = _from_ms(_ms(due))
         self._fenced("nack", lease, again.to_bytes(), _ms(due), _ms(), error)
 
+    def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
+        """Its failed ``Job`` row is written before its dependents are resolved: a worker killed
+        while resolving them leaves the row, and the reaper's sweep resolves the rest."""
+        has_dependents = self._fail(lease, error, count_run)
+        if lease.envelope is not None:
+            env = lease.envelope
+            self.record_failure(env, error, env.attempts + int(count_run), lease.queue)
+        if has_dependents:
+            self._release([(lease.token, lease.queue)])
+
     def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
+        if self._fail(lease, error, count_run):
+            self._release([(lease.token, lease.queue)])
+
+    def _fail(self, lease: Lease, error: str, count_run: bool) -> bool:
+        """The ``abandon`` script (fenced): failed set, error; whether the job has dependents."""
         env = lease.envelope
         body = b"" if env is None else (env.next_attempt() if count_run else env).to_bytes()
-        if self._fenced("abandon", lease, body, _ms(), error) == HAS_DEPENDENTS:
-            self._release([(lease.token, lease.queue)])
+        return bool(self._fenced("abandon", lease, body, _ms(), error) == HAS_DEPENDENTS)
 
     def peek(self, job_id: str) -> LiveJob | None:
         """Looks in every queue of ``JOBS["QUEUES"]`` (one round trip): a message is live while

@@ -208,6 +208,23 @@ def test_a_failed_parent_fails_its_descendants_with_reasons_and_history(backend)
     assert outbox_and_edges_empty(backend)
 
 
+def test_a_failed_parent_keeps_its_row_when_its_worker_dies_resolving_its_children(backend, monkeypatch):
+    a = job(backend, action="raise", max_retries=0)
+    b = job(backend, a.id, key="b")
+
+    def killed(parents: Any) -> None:  # the worker dies before resolving anything
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(backend, "_release", killed)
+    with pytest.raises(SystemExit):
+        run()
+    assert Job.objects.get(pk=a.id).status == "failed"
+    monkeypatch.undo()
+    assert blocked_on(backend, b.id) == [a.id]
+    assert backend.resolve_dependents() == 1
+    assert Job.objects.get(pk=b.id).last_error == f"ParentFailed: parent {a.id} failed"
+
+
 def test_run_if_parent_fails_releases_the_child_after_a_failure(backend):
     parent = job(backend, action="raise", max_retries=0)
     child = job(backend, parent.id, run_if_parent_fails=True, key="child")
