@@ -21,6 +21,7 @@ from django_jobs.checks import check_settings
 from django_jobs.exceptions import LimitsNotSupported
 from django_jobs.metrics import InMemoryMetricsCollector
 from django_jobs.models import Job, JobAttempt
+from django_jobs.pipeline import JobContext
 from django_jobs.worker import QueueWorker, WorkerResult
 from tests.api_support import jobs_settings, row, runs
 from tests.testapp.jobs import scripted
@@ -296,28 +297,55 @@ def test_a_job_deferred_by_a_limit_is_not_counted_as_a_run(backend, limit):
     assert row(backend, job_id).attempts == 1
 
 
-@pytest.mark.parametrize(
-    ("action", "max_retries", "status"),
-    [("ok", 0, "acked"), ("raise", 1, "requeued"), ("raise", 0, "dead-lettered")],
-)
-def test_the_worker_releases_its_slot_however_the_run_ends(backend, limit, action, max_retries, status):
-    """A crashed worker's slot (reaped) left a job parked; the next run's release wakes it."""
-    limit({HANDLER_KEY: {"concurrency": 1}})
-    dispatch(backend, queue="other")
-    crashed = take(backend, "other")
+def park_behind_a_crash(backend: str, queue: str) -> str:
+    """A job parked on a full limit of one, whose slot holder's worker then crashed (its lease
+    reaped, so the slot is free, but nobody was woken). Returns the parked job's id."""
+    dispatch(backend, queue=queue)
+    crashed = take(backend, queue)
     assert acquire(backend, crashed) is None
-    parked_id = dispatch(backend, queue="other")[0]
-    parked = take(backend, "other")
+    parked_id = dispatch(backend, queue=queue)[0]
+    parked = take(backend, queue)
     hold = acquire(backend, parked)
     assert hold is not None and hold.parked
     defer(backend, parked, hold)
     Job.objects.using(Jobs.backend(backend).alias).filter(pk=crashed.token).update(
         leased_until=timezone.now() - timedelta(seconds=5), max_retries=0
     )
-    queue_of(backend).reap_expired("other")  # its slot no longer counts; nobody was woken
+    assert queue_of(backend).reap_expired(queue) == 1
+    assert ready_ids(backend, queue) == set()
+    return parked_id
+
+
+@pytest.mark.parametrize(
+    ("action", "max_retries", "status"),
+    [("ok", 0, "acked"), ("raise", 1, "requeued"), ("raise", 0, "dead-lettered")],
+)
+def test_the_worker_releases_its_slot_however_the_run_ends(backend, limit, action, max_retries, status):
+    """The next run's release wakes the parked job, whatever the run's ending."""
+    limit({HANDLER_KEY: {"concurrency": 1}})
+    parked_id = park_behind_a_crash(backend, "other")
     scripted.using(backend=backend, queue="emails", max_retries=max_retries).dispatch(action=action)
 
     assert QueueWorker(backend, ["emails"]).process_once().status == status
+
+    assert ready_ids(backend, "other") == {parked_id}
+
+
+def loses_its_lease(context: JobContext) -> None:
+    """A ``JOBS["HANDLERS"]`` handler whose job is handed to someone else while it runs."""
+    Job.objects.using(Jobs.backend(context.payload["backend"]).alias).filter(pk=context.job_id).update(
+        owner_token="another-worker"
+    )
+
+
+def test_the_worker_releases_its_slot_when_it_lost_the_lease(backend, settings):
+    table = {"queue:other": {"concurrency": 1}}
+    handlers = {"loses-its-lease": f"{__name__}.loses_its_lease"}
+    settings.JOBS = {**settings.JOBS, "LIMITS": table, "HANDLERS": handlers, "LEASE_TIMEOUT": LEASE_TIMEOUT}
+    parked_id = park_behind_a_crash(backend, "other")
+    Jobs.define("loses-its-lease", {"backend": backend}).queue("other").dispatch(backend=backend)
+
+    assert QueueWorker(backend, ["other"]).process_once().status == "lease-lost"
 
     assert ready_ids(backend, "other") == {parked_id}
 
