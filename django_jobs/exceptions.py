@@ -44,6 +44,11 @@ class AbortNotSupported(JobsError):
     """The backend cannot abort a job by its id (it holds no row of a queued message)."""
 
 
+class LimitsNotSupported(JobsError):
+    """A job under a rate or concurrency limit reached a backend that cannot enforce limits:
+    refused at dispatch, and failed unrun by a worker that finds it (never run unlimited)."""
+
+
 class UnknownJob(JobsError, LookupError):
     """No database or backend holds a job with this id."""
 
