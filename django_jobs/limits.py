@@ -7,13 +7,15 @@ period (``rate``, ``"100/m"``), or both. Limits come from ``JOBS["LIMITS"]`` and
 ``@job(concurrency=..., rate=...)``; a worker resolves them from its own settings and registry,
 never from the message. The backend enforces them at the start of each run (``acquire``).
 
-Pure: no database, no clock of its own. :func:`rate_slot` is the one rate rule; every backend
-applies it (the database backend in Python, Redis in Lua).
+No database here. :func:`rate_slot` is the one rate rule; every backend applies it (the
+database backend in Python, Redis in Lua), and reads the time from :func:`now`, the one clock
+of limits (tests replace it).
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -218,6 +220,11 @@ def limits_for(handler: str, queue: str) -> tuple[Limit, ...]:
 
 
 # -- the rate rule -------------------------------------------------------------------------------
+
+
+def now() -> float:
+    """The time limits are reckoned in (epoch seconds): the worker's clock, as ``available_at``."""
+    return time.time()
 
 
 def rate_slot(starts: Iterable[float], now: float, count: int, period: float) -> float:

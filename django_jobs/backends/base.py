@@ -136,7 +136,8 @@ class QueueBackend(ABC):
         """Requeue the message to be fetched again in ``delay`` seconds.
 
         ``count_run`` adds the delivery to ``attempts``; it is ``False`` only when the job did
-        not run (its idempotency key or single-instance lock was held elsewhere).
+        not run (its idempotency key or single-instance lock was held elsewhere, or a limit
+        deferred its start).
         """
 
     def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:

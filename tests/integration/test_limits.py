@@ -1,0 +1,387 @@
+"""Rate and concurrency limits, enforced by the backend at the start of each run: the protocol
+(``acquire``, ``release_limits``, ``limit_usage``) driven by hand, then through the worker.
+
+Parametrized over the backends that enforce limits. The database backend keeps the leases'
+times in its own clock, so a test that moves the limits' clock (``clock``) never makes a job due
+earlier or later: it only changes what the limits see."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.utils import timezone
+
+from django_jobs import Jobs, limits
+from django_jobs.backends.base import Hold, Lease, QueueBackend
+from django_jobs.checks import check_settings
+from django_jobs.exceptions import LimitsNotSupported
+from django_jobs.metrics import InMemoryMetricsCollector
+from django_jobs.models import Job, JobAttempt
+from django_jobs.worker import QueueWorker, WorkerResult
+from tests.api_support import jobs_settings, row, runs
+from tests.testapp.jobs import scripted
+
+pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
+
+QUEUE_KEY = "queue:emails"
+HANDLER = "tests.testapp.jobs.scripted"
+HANDLER_KEY = f"handler:{HANDLER}"
+LEASE_TIMEOUT = 60
+
+
+@pytest.fixture(
+    params=["default", "pg", pytest.param("redis", marks=pytest.mark.skip(reason="redis limits in progress"))]
+)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The database backend on SQLite and on PostgreSQL (and Redis)."""
+    if request.param == "pg":
+        request.getfixturevalue("postgres_up")
+    if request.param == "redis":
+        request.getfixturevalue("redis_up")
+    return str(request.param)
+
+
+class Clock:
+    """The limits' clock, moved by hand."""
+
+    def __init__(self, start: float) -> None:
+        self.time = start
+
+    def __call__(self) -> float:
+        return self.time
+
+    def advance(self, seconds: float) -> None:
+        self.time += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fixed = Clock(limits.now())
+    monkeypatch.setattr(limits, "now", fixed)
+    return fixed
+
+
+@pytest.fixture
+def limit(settings: Any) -> Callable[[dict[str, Any]], None]:
+    """Call it with the ``JOBS["LIMITS"]`` to use (and a known lease timeout)."""
+
+    def apply(table: dict[str, Any]) -> None:
+        settings.JOBS = {**settings.JOBS, "LIMITS": table, "LEASE_TIMEOUT": LEASE_TIMEOUT}
+
+    return apply
+
+
+def queue_of(backend: str) -> QueueBackend:
+    return Jobs.backend(backend)
+
+
+def dispatch(backend: str, count: int = 1, queue: str = "emails", **options: Any) -> list[str]:
+    return [
+        scripted.using(backend=backend, queue=queue, **options).dispatch(action="ok", key=None) for _ in range(count)
+    ]
+
+
+def take(backend: str, queue: str = "emails") -> Lease:
+    lease = queue_of(backend).fetch(queue)
+    assert lease is not None, f"nothing ready on {queue}"
+    return lease
+
+
+def acquire(backend: str, lease: Lease) -> Hold | None:
+    assert lease.envelope is not None
+    return queue_of(backend).acquire(lease, limits.limits_for(lease.envelope.handler, lease.queue))
+
+
+def defer(backend: str, lease: Lease, hold: Hold) -> None:
+    """What the worker does with a hold: requeue without a run, then (parked) look for room."""
+    queue_of(backend).nack(lease, hold.delay, count_run=False)
+    if hold.parked:
+        queue_of(backend).release_limits(lease)
+
+
+def finish(backend: str, lease: Lease) -> None:
+    queue_of(backend).ack(lease)
+    queue_of(backend).release_limits(lease)
+
+
+def usage(backend: str, key: str = QUEUE_KEY) -> Any:
+    limit = limits.configured()[key]
+    return queue_of(backend).limit_usage(limit)
+
+
+def ready_ids(backend: str, queue: str = "emails") -> set[str]:
+    """The ids of the jobs ready now on ``queue`` (each is leased by looking)."""
+    found = set()
+    while (lease := queue_of(backend).fetch(queue)) is not None:
+        found.add(lease.token)
+    return found
+
+
+# -- concurrency ---------------------------------------------------------------------------------
+
+
+def test_concurrency_grants_up_to_the_limit_then_parks_the_next(backend, limit):
+    limit({QUEUE_KEY: {"concurrency": 2}})
+    dispatch(backend, 3)
+    first, second, third = take(backend), take(backend), take(backend)
+
+    assert acquire(backend, first) is None
+    assert acquire(backend, second) is None
+    assert acquire(backend, third) == Hold(LEASE_TIMEOUT, QUEUE_KEY, parked=True)
+    assert usage(backend)[:1] == (2,) and usage(backend).parked == 1
+
+
+def test_a_release_wakes_the_oldest_parked_job_only(backend, limit):
+    limit({QUEUE_KEY: {"concurrency": 1}})
+    _, parked, later = dispatch(backend, 3)
+    lease = take(backend)
+    assert acquire(backend, lease) is None
+    for waiting in (take(backend), take(backend)):
+        hold = acquire(backend, waiting)
+        assert hold is not None and hold.parked
+        defer(backend, waiting, hold)
+    assert ready_ids(backend) == set()  # both wait, a lease timeout away
+
+    finish(backend, lease)
+
+    assert ready_ids(backend) == {parked}
+    assert row(backend, later).available_at > timezone.now() + timedelta(seconds=LEASE_TIMEOUT / 2)
+    assert usage(backend).parked == 1
+
+
+def test_a_parked_job_released_before_its_requeue_wakes_itself_once_requeued(backend, limit):
+    limit({QUEUE_KEY: {"concurrency": 1}})
+    _, waiting = dispatch(backend, 2)
+    first, second = take(backend), take(backend)
+    assert acquire(backend, first) is None
+    hold = acquire(backend, second)
+    assert hold is not None and hold.parked
+
+    finish(backend, first)  # the parked job is still on its way back: nobody to wake yet
+    defer(backend, second, hold)  # back in the queue, it finds room and wakes itself
+
+    assert ready_ids(backend) == {waiting}
+
+
+def test_a_slot_frees_when_its_crashed_workers_lease_is_reaped(backend, limit):
+    limit({QUEUE_KEY: {"concurrency": 1}})
+    dispatch(backend, 2)
+    crashed, other = take(backend), take(backend)
+    assert acquire(backend, crashed) is None
+    assert acquire(backend, other) is not None
+
+    Job.objects.using(Jobs.backend(backend).alias).filter(pk=crashed.token).update(
+        leased_until=timezone.now() - timedelta(seconds=5)
+    )
+    assert queue_of(backend).reap_expired("emails") == 1
+
+    assert acquire(backend, other) is None
+    assert usage(backend).running == 1
+
+
+def test_a_lost_lease_is_refused_a_slot(backend, limit):
+    limit({QUEUE_KEY: {"concurrency": 1}})
+    dispatch(backend)
+    lease = take(backend)
+    queue_of(backend).nack(lease, 0, count_run=False)  # settled elsewhere: no longer ours
+
+    with pytest.raises(Exception, match="no longer leased"):
+        acquire(backend, lease)
+    assert usage(backend).running == 0
+
+
+# -- rate ----------------------------------------------------------------------------------------
+
+
+def test_a_rate_grants_its_starts_then_reserves_the_next_free_one(backend, limit, clock):
+    limit({QUEUE_KEY: {"rate": "2/m"}})
+    dispatch(backend, 4)
+    a, b, c, d = (take(backend) for _ in range(4))
+    assert acquire(backend, a) is None
+    clock.advance(10)
+    assert acquire(backend, b) is None
+
+    assert acquire(backend, c) == Hold(50.0, QUEUE_KEY, parked=False)  # a's start + 60 s
+    assert acquire(backend, d) == Hold(60.0, QUEUE_KEY, parked=False)  # b's start + 60 s
+    assert (usage(backend).starts, usage(backend).reserved) == (2, 2)
+
+
+def test_a_reserved_start_is_honoured_without_asking_again(backend, limit, clock):
+    limit({QUEUE_KEY: {"rate": "1/m"}})
+    dispatch(backend, 3)
+    a, b, c = (take(backend) for _ in range(3))
+    assert acquire(backend, a) is None
+    assert acquire(backend, b) == Hold(60.0, QUEUE_KEY, parked=False)
+
+    clock.advance(60)
+    assert acquire(backend, c) == Hold(60.0, QUEUE_KEY, parked=False)  # b's start is taken
+    clock.advance(1)  # b comes back a little late: its start is still its own
+    assert acquire(backend, b) is None
+    assert (usage(backend).starts, usage(backend).reserved) == (1, 1)  # a left the window
+
+
+def test_a_job_back_before_its_reserved_start_waits_for_it(backend, limit, clock):
+    limit({QUEUE_KEY: {"rate": "1/m"}})
+    dispatch(backend, 2)
+    a, b = take(backend), take(backend)
+    assert acquire(backend, a) is None
+    assert acquire(backend, b) == Hold(60.0, QUEUE_KEY, parked=False)
+
+    clock.advance(45)
+
+    assert acquire(backend, b) == Hold(15.0, QUEUE_KEY, parked=False)
+    assert usage(backend).reserved == 1  # the same reservation
+
+
+def test_a_reservation_lapses_when_its_job_comes_back_too_late(backend, limit, clock):
+    limit({QUEUE_KEY: {"rate": "1/m"}})
+    dispatch(backend, 3)
+    a, b, c = (take(backend) for _ in range(3))
+    assert acquire(backend, a) is None
+    assert acquire(backend, b) == Hold(60.0, QUEUE_KEY, parked=False)
+    assert acquire(backend, c) == Hold(120.0, QUEUE_KEY, parked=False)
+
+    clock.advance(60 + limits.RESERVATION_GRACE + 1)  # b missed its start
+
+    assert acquire(backend, b) == Hold(114.0, QUEUE_KEY, parked=False)  # a minute after c's start
+    assert acquire(backend, c) == Hold(54.0, QUEUE_KEY, parked=False)  # c's own is not yet due
+
+
+def test_a_job_refused_by_one_limit_takes_nothing_from_the_others(backend, limit, clock):
+    limit({QUEUE_KEY: {"concurrency": 1}, HANDLER_KEY: {"rate": "1/m"}})
+    dispatch(backend, 2)
+    a, b = take(backend), take(backend)
+    assert acquire(backend, a) is None
+
+    assert acquire(backend, b) == Hold(LEASE_TIMEOUT, QUEUE_KEY, parked=True)
+    assert (usage(backend, HANDLER_KEY).starts, usage(backend, HANDLER_KEY).reserved) == (1, 0)
+
+
+def test_a_job_held_by_a_rate_holds_no_concurrency_slot(backend, limit, clock):
+    limit({QUEUE_KEY: {"concurrency": 5}, HANDLER_KEY: {"rate": "1/m"}})
+    dispatch(backend, 2)
+    a, b = take(backend), take(backend)
+    assert acquire(backend, a) is None
+
+    assert acquire(backend, b) == Hold(60.0, HANDLER_KEY, parked=False)
+    assert usage(backend).running == 1
+
+
+# -- through the worker --------------------------------------------------------------------------
+
+
+def test_a_job_deferred_by_a_limit_is_not_counted_as_a_run(backend, limit):
+    limit({QUEUE_KEY: {"concurrency": 1}})
+    _, job_id = dispatch(backend, 2)
+    holder = take(backend)
+    assert acquire(backend, holder) is None
+    metrics = InMemoryMetricsCollector()
+
+    result = QueueWorker(backend, ["emails"], metrics=metrics).process_once()
+
+    assert (result.status, result.label, result.job_id, result.attempt) == ("requeued", "deferred", job_id, 0)
+    assert result.hold == Hold(LEASE_TIMEOUT, QUEUE_KEY, parked=True)
+    waiting = row(backend, job_id)
+    assert (waiting.status, waiting.attempts, waiting.last_error) == ("pending", 0, "")
+    assert not JobAttempt.objects.using(Jobs.backend(backend).alias).filter(job_id=job_id).exists()
+    assert metrics.get("jobs_limit_wait_seconds", limit=QUEUE_KEY) == 1
+    assert metrics.get("jobs_requeued") == 0
+
+    finish(backend, holder)
+    assert QueueWorker(backend, ["emails"]).process_once().status == "acked"
+    assert row(backend, job_id).attempts == 1
+
+
+@pytest.mark.parametrize(
+    ("action", "max_retries", "status"),
+    [("ok", 0, "acked"), ("raise", 1, "requeued"), ("raise", 0, "dead-lettered")],
+)
+def test_the_worker_releases_its_slot_however_the_run_ends(backend, limit, action, max_retries, status):
+    """A crashed worker's slot (reaped) left a job parked; the next run's release wakes it."""
+    limit({HANDLER_KEY: {"concurrency": 1}})
+    dispatch(backend, queue="other")
+    crashed = take(backend, "other")
+    assert acquire(backend, crashed) is None
+    parked_id = dispatch(backend, queue="other")[0]
+    parked = take(backend, "other")
+    hold = acquire(backend, parked)
+    assert hold is not None and hold.parked
+    defer(backend, parked, hold)
+    Job.objects.using(Jobs.backend(backend).alias).filter(pk=crashed.token).update(
+        leased_until=timezone.now() - timedelta(seconds=5), max_retries=0
+    )
+    queue_of(backend).reap_expired("other")  # its slot no longer counts; nobody was woken
+    scripted.using(backend=backend, queue="emails", max_retries=max_retries).dispatch(action=action)
+
+    assert QueueWorker(backend, ["emails"]).process_once().status == status
+
+    assert ready_ids(backend, "other") == {parked_id}
+
+
+def test_a_prefetching_worker_runs_a_limited_batch_one_at_a_time(backend, limit):
+    limit({HANDLER_KEY: {"concurrency": 1, "rate": "100/m"}})
+    ids = dispatch(backend, 5)
+    worker = QueueWorker(backend, ["emails"], prefetch=10)
+    results: list[WorkerResult] = []
+
+    worker.run(max_jobs=5, max_time=30, reap=False, on_result=results.append)
+
+    assert [result.label for result in results] == ["completed"] * 5
+
+    finished = Job.objects.using(Jobs.backend(backend).alias).filter(pk__in=ids)
+    assert sorted(finished.values_list("status", "attempts")) == [("completed", 1)] * 5
+    assert usage(backend, HANDLER_KEY).running == 0
+
+
+# -- what cannot be enforced, and bad settings ---------------------------------------------------
+
+
+def test_a_worker_whose_backend_cannot_enforce_limits_fails_the_job_unrun(backend, limit, monkeypatch):
+    limit({QUEUE_KEY: {"concurrency": 1}})
+    job_id = scripted.using(backend=backend, queue="emails", max_retries=3).dispatch(action="ok", key="unlimited")
+    monkeypatch.setattr(queue_of(backend), "supports_limits", False)
+
+    result = QueueWorker(backend, ["emails"]).process_once()
+
+    assert result.status == "dead-lettered"
+    assert result.error is not None and result.error.startswith("LimitsNotSupported: job is limited (queue:emails")
+    failed = row(backend, job_id)
+    assert (failed.status, failed.attempts) == ("failed", 0)
+    assert runs("unlimited") == 0
+
+
+def test_a_limited_job_is_refused_at_dispatch_by_a_backend_without_limits(limit):
+    limit({QUEUE_KEY: {"concurrency": 1}})
+    with pytest.raises(LimitsNotSupported, match=r"limited \(queue:emails \(concurrency 1\)\).*'sync'"):
+        scripted.using(backend="sync", queue="emails").dispatch(action="ok")
+    scripted.using(backend="sync", queue="other").dispatch(action="ok")  # not limited there
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"queue:emails": {"rate": "10/week"}}, "LIMITS['queue:emails']: bad rate '10/week'"),
+        ({"queue:emails": {"concurrency": 0}}, "concurrency must be an int >= 1"),
+        ({"emails": {"concurrency": 1}}, "bad limit key 'emails'"),
+        ({"queue:emails": {"concurency": 1}}, "unknown key(s) 'concurency'"),
+        ({"queue:emails": {}}, "is empty"),
+    ],
+)
+def test_bad_limits_are_a_system_check_error_and_refused_at_use(setting, message):
+    with jobs_settings(LIMITS=setting):
+        [error] = [found for found in check_settings() if found.id == "django_jobs.E015"]
+        assert message in error.msg
+        with pytest.raises(ImproperlyConfigured, match="JOBS\\['LIMITS'\\] is wrong"):
+            limits.limits_for(HANDLER, "emails")
+
+
+def test_a_limit_the_default_backend_cannot_enforce_is_a_system_check_error():
+    with jobs_settings(LIMITS={QUEUE_KEY: {"concurrency": 1}}, DEFAULT_BACKEND="sync"):
+        [error] = [found for found in check_settings() if found.id == "django_jobs.E015"]
+    assert "limit queue:emails (concurrency 1) cannot be enforced by backend 'sync'" in error.msg
+    with jobs_settings(LIMITS={QUEUE_KEY: {"concurrency": 1}}):
+        assert [found for found in check_settings() if found.id == "django_jobs.E015"] == []
