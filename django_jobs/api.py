@@ -525,6 +525,7 @@ class JobFunction(Generic[P, R]):
     def using(self, **options: Unpack[JobOptions]) -> BoundJob[P, R]:
         """Override options for one dispatch: ``queue``, ``priority``, ``max_retries``,
         ``timeout``, ``delay``, ``scheduled_at``, ``idempotency_key``, ``name``, ``backend``."""
+        _refuse_unknown(options, "job option(s)")
         return BoundJob(self, {**self.defaults, **options})
 
     def builder(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
