@@ -232,15 +232,23 @@ def rate_slot(starts: Iterable[float], now: float, count: int, period: float) ->
     ``period`` seconds at ``count`` starts or fewer.
 
     ``starts`` are the times (epoch seconds, any order) of the starts granted or reserved so far,
-    future reservations included; those at or before ``now - period`` no longer matter. With
-    fewer than ``count`` starts after that, the answer is ``now``; else it is the ``count``-th
-    latest start plus ``period``. Any later time is as good: at most ``count - 1`` starts lie
-    within ``period`` of it, whatever order the starts were taken in.
+    future reservations included. Only the ``count``-th latest matters: see :func:`next_start`.
     """
-    recent = sorted(t for t in starts if t > now - period)
-    if len(recent) < count:
+    latest = sorted(starts)[-count:]
+    return next_start(latest[0] if len(latest) == count else None, now, period)
+
+
+def next_start(nth_latest: float | None, now: float, period: float) -> float:
+    """:func:`rate_slot` from the ``count``-th latest start alone (``None``: there are fewer
+    than ``count``), which a backend reads with one indexed lookup.
+
+    That start at or before ``now - period``: ``now``. Else it plus ``period``, or ``now`` if
+    later: any time from there on has at most ``count - 1`` starts within ``period`` of it,
+    whatever order the starts were taken in (a reservation given up leaves a hole, never a
+    crowd)."""
+    if nth_latest is None or nth_latest <= now - period:
         return now
-    return max(now, recent[-count] + period)
+    return max(now, nth_latest + period)
 
 
 Reservation = Literal["early", "due", "lapsed"]

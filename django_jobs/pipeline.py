@@ -229,7 +229,7 @@ class Delivery:
     # While the handler runs: its context and time limit, which an abort reaches.
     context: JobContext | None = None
     limit: TimeLimit | None = None
-    # It took (or was parked by) rate or concurrency limits: release_limits after any ending.
+    # It holds concurrency slots, or was parked by a full limit: release_limits after any ending.
     limited: bool = False
 
     @property
@@ -345,8 +345,8 @@ class DeliveryPipeline:
             hold = self.backend.acquire(d.lease, limits)
         except LeaseLost:
             return self._lost_before_start(d)
-        if hold is None or hold.parked:  # parked: after its requeue it checks for room once more
-            d.limited = True
+        # Released after the settle: slots taken, or (parked) to look for room once requeued.
+        d.limited = hold.parked if hold is not None else any(limit.concurrency is not None for limit in limits)
         if hold is None:
             return None
         self.metrics.observe("jobs_limit_wait_seconds", hold.delay, limit=hold.key)

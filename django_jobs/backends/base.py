@@ -275,9 +275,9 @@ class QueueBackend(ABC):
         )
 
     def release_limits(self, lease: Lease) -> None:
-        """After the settle of a job that acquired its limits (or was parked by them): free its
-        concurrency slots and wake one job parked on each limit that now has room (ready at
-        once). Idempotent; never raises for a lost lease."""
+        """After the settle of a job that took concurrency slots (or was parked by a full limit,
+        after its requeue): free its slots and wake one job parked on each of its limits that
+        now has room (ready at once). Idempotent; never raises for a lost lease."""
 
     def limit_usage(self, limit: Limit) -> LimitUsage | None:
         """What the dashboard shows of ``limit``; ``None`` when the backend cannot tell."""

@@ -10,7 +10,8 @@ writers), so the count it reads cannot change before it writes.
   its lease is reaped, with no clean-up needed; leftover rows are deleted when the limit is full.
   A job refused a slot is parked (``LimitWaiter``); a release wakes the oldest parked job that
   waits in its queue (``available_at = now``, and ``NOTIFY`` on PostgreSQL).
-- Rate: ``LimitStart`` rows, granted or reserved, per :func:`~django_jobs.limits.rate_slot`.
+- Rate: ``LimitStart`` rows, granted or reserved, per :func:`~django_jobs.limits.rate_slot`
+  (read as :func:`~django_jobs.limits.next_start` of the window's N-th latest start).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from django.utils import timezone
 from .. import conf
 from .. import limits as clock  # the limits' clock: clock.now()
 from ..exceptions import LeaseLost
-from ..limits import Limit, rate_slot, reservation_state
+from ..limits import Limit, next_start, reservation_state
 from ..models import Job, JobStatus, LimitSlot, LimitStart, LimitState, LimitWaiter
 from .base import Hold, Lease, LimitUsage
 
@@ -118,8 +119,9 @@ class DatabaseLimits:
                 need = max(_epoch(own.at), at)
                 honoured.append(own)
             else:
-                window = starts.filter(key=limit.key, at__gt=since).values_list("at", flat=True)
-                need = rate_slot((_epoch(moment) for moment in window), at, limit.rate_count, period)
+                window = starts.filter(key=limit.key, at__gt=since).order_by("-at").values_list("at", flat=True)
+                nth = window[limit.rate_count - 1 : limit.rate_count].first()
+                need = next_start(None if nth is None else _epoch(nth), at, period)
                 fresh.append(limit)
             latest = max(latest, (need, limit.key))
         when, key = latest

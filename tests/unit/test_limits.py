@@ -4,6 +4,7 @@ fixed clocks (a start's time is a number here; nothing sleeps)."""
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
@@ -11,16 +12,23 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from django_jobs import Jobs, job, limits
+from django_jobs.api import JobFunction
 from django_jobs.limits import Limit, format_rate, limits_for, parse_rate, rate_slot, reservation_state
 from tests.api_support import jobs_settings
 
 
-@job(concurrency=2, rate="100/m")
 def capped() -> None:
-    """A job whose handler declares its limits."""
+    """Becomes a job whose handler declares its limits (``declared``)."""
 
 
 CAPPED = "tests.unit.test_limits.capped"
+
+
+@pytest.fixture
+def declared() -> Iterator[JobFunction[[], None]]:
+    """``@job(concurrency=2, rate="100/m")`` on ``capped``, for one test: other tests never see it."""
+    yield job(concurrency=2, rate="100/m")(capped)
+    limits.declare(CAPPED)
 
 
 # -- rates ---------------------------------------------------------------------------------------
@@ -120,7 +128,7 @@ def test_a_job_is_under_its_queues_and_its_handlers_limits_in_key_order():
         assert limits_for("other-handler", "default") == ()
 
 
-def test_a_declared_limit_applies_and_the_setting_overrides_it_cap_by_cap():
+def test_a_declared_limit_applies_and_the_setting_overrides_it_cap_by_cap(declared):
     assert limits_for(CAPPED, "default") == (Limit(f"handler:{CAPPED}", 2, 100, 60.0),)
     with jobs_settings(LIMITS={f"handler:{CAPPED}": {"rate": "5/s"}}):
         assert limits_for(CAPPED, "default") == (Limit(f"handler:{CAPPED}", 2, 5, 1.0),)
@@ -150,14 +158,14 @@ def test_a_bad_declared_limit_is_refused_where_the_decorator_is():
         job(rate="lots")(f)
 
 
-def test_limits_belong_to_the_handler_not_to_one_call():
+def test_limits_belong_to_the_handler_not_to_one_call(declared):
     with pytest.raises(
         TypeError, match=r"concurrency limit every job of a handler.*@job\(\.\.\.\) or JOBS\['LIMITS'\]"
     ):
-        capped.using(concurrency=1)  # type: ignore[typeddict-unknown-key]
+        declared.using(concurrency=1)  # type: ignore[typeddict-unknown-key]
     with pytest.raises(TypeError, match="rate limit every job of a handler"):
         Jobs.define(CAPPED).options(rate="1/s")  # type: ignore[typeddict-unknown-key]
-    assert "concurrency" not in capped.defaults  # it never reaches a message
+    assert "concurrency" not in declared.defaults  # it never reaches a message
 
 
 # -- the rate rule on fixed clocks ---------------------------------------------------------------
