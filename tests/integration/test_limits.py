@@ -24,6 +24,7 @@ from django_jobs.models import Job, JobAttempt
 from django_jobs.pipeline import JobContext
 from django_jobs.worker import QueueWorker, WorkerResult
 from tests.api_support import jobs_settings, row, runs
+from tests.backend_params import _db_expire, _redis_expire
 from tests.testapp.jobs import scripted
 
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
@@ -32,6 +33,8 @@ QUEUE_KEY = "queue:emails"
 HANDLER = "tests.testapp.jobs.scripted"
 HANDLER_KEY = f"handler:{HANDLER}"
 LEASE_TIMEOUT = 60
+# How each backend's lease is made to expire now (as a crashed worker's would).
+EXPIRE = {"default": _db_expire, "pg": _db_expire, "redis": _redis_expire}
 
 
 @pytest.fixture(
@@ -175,9 +178,7 @@ def test_a_slot_frees_when_its_crashed_workers_lease_is_reaped(backend, limit):
     assert acquire(backend, crashed) is None
     assert acquire(backend, other) is not None
 
-    Job.objects.using(Jobs.backend(backend).alias).filter(pk=crashed.token).update(
-        leased_until=timezone.now() - timedelta(seconds=5)
-    )
+    EXPIRE[backend](queue_of(backend), crashed)
     assert queue_of(backend).reap_expired("emails") == 1
 
     assert acquire(backend, other) is None
@@ -308,9 +309,7 @@ def park_behind_a_crash(backend: str, queue: str) -> str:
     hold = acquire(backend, parked)
     assert hold is not None and hold.parked
     defer(backend, parked, hold)
-    Job.objects.using(Jobs.backend(backend).alias).filter(pk=crashed.token).update(
-        leased_until=timezone.now() - timedelta(seconds=5), max_retries=0
-    )
+    EXPIRE[backend](queue_of(backend), crashed)  # it had no retry left: the reaper fails it
     assert queue_of(backend).reap_expired(queue) == 1
     assert ready_ids(backend, queue) == set()
     return parked_id
@@ -332,10 +331,10 @@ def test_the_worker_releases_its_slot_however_the_run_ends(backend, limit, actio
 
 
 def loses_its_lease(context: JobContext) -> None:
-    """A ``JOBS["HANDLERS"]`` handler whose job is handed to someone else while it runs."""
-    Job.objects.using(Jobs.backend(context.payload["backend"]).alias).filter(pk=context.job_id).update(
-        owner_token="another-worker"
-    )
+    """A ``JOBS["HANDLERS"]`` handler whose lease expires and is reaped while it runs."""
+    name = context.payload["backend"]
+    EXPIRE[name](queue_of(name), context.lease)
+    queue_of(name).reap_expired(context.lease.queue)
 
 
 def test_the_worker_releases_its_slot_when_it_lost_the_lease(backend, settings):
