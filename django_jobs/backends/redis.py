@@ -160,6 +160,28 @@ class RedisBackend(QueueBackend):
         self.client  # noqa: B018  (connects and registers the scripts)
         return self._scripts[script](keys=list(keys), args=list(args), client=client)
 
+    def batch(self, script: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], *reads: Any) -> list[Any]:
+        """One round trip: ``reads`` (``(client method name, *args)``), then ``script`` once
+        per (keys, args) of ``calls``; their replies, in order. The script goes by its SHA
+        alone: a pipeline given the script itself first asks the server whether it has it, a
+        round trip more. A server that lost it (restarted) ran none of the calls: it is loaded
+        again and the batch resent."""
+        self.client  # noqa: B018  (connects and registers the scripts)
+        lua = self._scripts[script]
+        try:
+            return self._send(lua.sha, calls, reads)
+        except redis.exceptions.NoScriptError:
+            self.client.script_load(lua.script)
+            return self._send(lua.sha, calls, reads)
+
+    def _send(self, sha: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], reads: Sequence[Any]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for method, *args in reads:
+            getattr(pipe, method)(*args)
+        for keys, args in calls:
+            pipe.evalsha(sha, len(keys), *keys, *args)
+        return list(pipe.execute())
+
     def _fenced(self, script: str, lease: Lease, *args: Any) -> None:
         if not self._run(script, lease.queue, lease.token, lease.owner_token, *args):
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")

@@ -79,8 +79,9 @@ class RedisLimits:
     def keys(self, key: str) -> LimitKeys:
         return LimitKeys.of(self.backend.prefix, key)
 
-    def _script(self, name: str, limit: Limit, args: Sequence[Any], client: Any = None) -> Any:
-        return self.backend.run_script(name, self.keys(limit.key), args, client=client)
+    def _batch(self, script: str, calls: Sequence[tuple[Limit, Sequence[Any]]], *reads: Any) -> list[Any]:
+        """``script`` under each limit of ``calls``, after ``reads``: one round trip."""
+        return self.backend.batch(script, [(self.keys(limit.key), args) for limit, args in calls], *reads)
 
     # -- acquire --
 
@@ -94,14 +95,12 @@ class RedisLimits:
         member, parked = f"{lease.token}|{lease.owner_token}", _parked(lease.queue, lease.token)
         deadline, grace = _ms(lease.expires_at.timestamp()), _ms(RESERVATION_GRACE)
         queue = self.backend.keys(lease.queue)
-        pipe = self.backend.client.pipeline(transaction=False)
-        pipe.hget(queue.owners, lease.token)
-        pipe.zscore(queue.processing, lease.token)
-        for limit in limits:
-            caps = _caps(limit)
-            args = (now, member, lease.token, deadline, caps[0], caps[1], caps[2], grace, parked)
-            self._script("limit_acquire", limit, args, client=pipe)
-        owner, leased, *raw = pipe.execute()
+        owner, leased, *raw = self._batch(
+            "limit_acquire",
+            [(limit, (now, member, lease.token, deadline, *_caps(limit), grace, parked)) for limit in limits],
+            ("hget", queue.owners, lease.token),
+            ("zscore", queue.processing, lease.token),
+        )
         replies = [_Reply(int(r[0]), _text(r[1]), _text(r[2]), int(r[3])) for r in raw]
         if owner is None or _text(owner) != lease.owner_token or leased is None:
             self._undo(lease, now, limits, replies, keep=None, until=0)
@@ -128,7 +127,7 @@ class RedisLimits:
         reserved then or later; a due reservation it used goes back to it. It stays parked only
         on ``keep``. Returns the (start, key) of starts reserved later than ``until``."""
         member, parked = f"{lease.token}|{lease.owner_token}", _parked(lease.queue, lease.token)
-        undone = []
+        undone: list[tuple[Limit, Sequence[Any]]] = []
         for limit, reply in zip(limits, replies, strict=True):
             slot = member if reply.status == 1 and limit.concurrency is not None else ""
             unpark = parked if reply.status == 0 and limit is not keep else ""
@@ -137,11 +136,8 @@ class RedisLimits:
                 undone.append((limit, (now, slot, lease.token, unpark, action, reply.member, until, *_caps(limit), 1)))
         if not undone:
             return []
-        pipe = self.backend.client.pipeline(transaction=False)
-        for limit, args in undone:
-            self._script("limit_release", limit, args, client=pipe)
         later = []
-        for (limit, _), reply in zip(undone, pipe.execute(), strict=True):
+        for (limit, _), reply in zip(undone, self._batch("limit_release", undone), strict=True):
             if int(reply[0]) > until:
                 later.append((int(reply[0]), limit.key))
             self._wake(limit, reply[1:])
@@ -174,11 +170,8 @@ class RedisLimits:
         if not freed:
             return
         now = _ms(clock.now())
-        pipe = self.backend.client.pipeline(transaction=False)
-        for limit, member in freed:
-            args = (now, member, "", "", "", "", 0, *_caps(limit), int(wake))
-            self._script("limit_release", limit, args, client=pipe)
-        for (limit, _), reply in zip(freed, pipe.execute(), strict=True):
+        calls = [(limit, (now, member, "", "", "", "", 0, *_caps(limit), int(wake))) for limit, member in freed]
+        for (limit, _), reply in zip(freed, self._batch("limit_release", calls), strict=True):
             self._wake(limit, reply[1:])
 
     def _wake(self, limit: Limit, candidates: list[bytes]) -> None:

@@ -107,7 +107,8 @@ def delayed_ids(backend: RedisBackend, queue: str = "default") -> set[str]:
 # -- concurrency ---------------------------------------------------------------------------------
 
 
-def test_slots_are_scored_by_lease_deadline_and_a_release_wakes_the_oldest_parked_job(backend):
+def test_slots_are_scored_by_lease_deadline_and_a_release_wakes_the_oldest_parked_job(backend, clock):
+    """The clock stands still: c and d are parked in the same millisecond, in that order."""
     limit = Limit(QUEUE_KEY, concurrency=2)
     a, b, c, d = leases(backend, 4)
     assert backend.acquire(a, [limit]) is None
@@ -364,3 +365,24 @@ def test_a_limits_keys_share_one_hash_tag_of_their_own():
     keys = LimitKeys.of("p", "queue:emails")
     assert {key.split("}")[0] for key in keys} == {"p:{limit:queue:emails"}
     assert keys.slots == "p:{limit:queue:emails}:slots"
+
+
+def test_a_restarted_redis_keeps_the_limits_and_is_given_the_scripts_again(private_redis):
+    """A restart (AOF replayed) keeps the slots and the parked jobs; the scripts, which a
+    restart forgets, are loaded again by the first batch that finds them missing."""
+    backend = RedisBackend("private", {"URL": private_redis.url, "PREFIX": "restart"})
+    limit = Limit(QUEUE_KEY, concurrency=1)
+    try:
+        holder, waiting = leases(backend, 2)
+        assert backend.acquire(holder, [limit]) is None
+
+        private_redis.restart()
+
+        hold = backend.acquire(waiting, [limit])
+        assert hold == parked_hold()
+        defer(backend, waiting, hold)
+        finish(backend, holder)
+        assert waiting_ids(backend) == {waiting.token}
+    finally:
+        backend.client.flushall()
+        backend.close()

@@ -18,7 +18,9 @@ local parked = ARGV[9]                  -- this job's member of the parked set
 
 if count > 0 then slide(now, period) end
 if concurrency > 0 and not redis.call('ZSCORE', slots_key, member) and free_slots(now, concurrency) <= 0 then
-  redis.call('ZADD', parked_key, 'NX', now, parked)
+  -- Parked last (after any parked in the same millisecond); parked already, it keeps its place.
+  local last = redis.call('ZREVRANGE', parked_key, 0, 0, 'WITHSCORES')[2]
+  redis.call('ZADD', parked_key, 'NX', last and math.max(now, tonumber(last) + 1) or now, parked)
   return {0, '', '', 0}
 end
 redis.call('ZREM', parked_key, parked)

@@ -3,7 +3,7 @@
 local slots_key = KEYS[1]       -- zset: '<job id>|<owner>' -> lease deadline ms: concurrency slots held
 local window_key = KEYS[2]      -- zset: '<job id>|<owner>' -> start ms: starts granted or reserved (rate)
 local reserved_key = KEYS[3]    -- hash: job id -> its member of the window, a start reserved for it
-local parked_key = KEYS[4]      -- zset: JSON [queue, job id] -> park ms: jobs waiting for a slot, oldest first
+local parked_key = KEYS[4]      -- zset: JSON [queue, job id] -> park ms (ties: +1): jobs waiting for a slot, oldest first
 
 -- Free concurrency slots. A slot whose lease deadline passed is dropped first: its worker died
 -- or stalled, and the slot frees with the lease.
@@ -22,9 +22,9 @@ local function slide(now, period)
   redis.call('ZREMRANGEBYSCORE', window_key, '-inf', edge)
 end
 
--- limits.rate_slot: the earliest time, at or after now, at which one more start keeps every
--- span of `period` at `count` starts or fewer: now while the window (slid) holds fewer than
--- `count` starts, granted or reserved; else `period` after the count-th latest of them.
+-- limits.rate_slot / limits.next_start: the earliest time, at or after now, at which one more
+-- start keeps every span of `period` at `count` starts or fewer: now while the window (slid)
+-- holds fewer than `count` starts, granted or reserved; else `period` after the count-th latest.
 local function next_start(now, count, period)
   if redis.call('ZCARD', window_key) < count then return now end
   local nth = redis.call('ZREVRANGE', window_key, count - 1, count - 1, 'WITHSCORES')
