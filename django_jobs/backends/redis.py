@@ -407,12 +407,12 @@ class RedisBackend(QueueBackend):
                     new_body = env.next_attempt().to_bytes()
                 done = self._run("reap", queue, job_id, owner or b"", now, action, new_body, due, error)
                 reaped += done != 0
-                if done != 0 and env is not None and owner is not None:  # its limits' slots free now
-                    self.limits.reaped(_text(job_id), _text(owner), env.handler, queue)
                 if done == 1 and env is not None:  # a lost run (2: claimed ahead, handed back uncounted)
                     lost_run(self, env.id, queue, env.attempts + 1, error, retry_in=retry_in, handler=env.handler)
                     if action == "fail":
                         self.record_failure(env, error, env.attempts + 1, queue)
+                if done != 0 and env is not None and owner is not None:  # its limits' slots free now
+                    self.limits.reaped(_text(job_id), _text(owner), env.handler, queue)
         return reaped
 
     def wait_for_work(self, queues: list[str], timeout: float) -> bool:
