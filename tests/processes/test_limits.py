@@ -53,7 +53,9 @@ def run_limited(
         wait_until(lambda: ran(path) == count and queue.size("default") == 0, 90, f"{count} limited jobs", interval=0.2)
         for worker in workers:
             assert worker.stop() == 0, worker.output()
-    assert sum(len(worker.job_lines("deferred")) for worker in workers) > 0  # the limit did hold some back
+    deferred = [line for worker in workers for line in worker.job_lines("deferred")]
+    assert deferred, "the limit held no job back"
+    assert all(f"limit {HANDLER_KEY} " in line for line in deferred), deferred
     runs = [tuple(map(float, line.split()[:2])) for line in path.read_text().splitlines()]
     assert len(runs) == count
     return sorted(runs)  # type: ignore[arg-type]
