@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from django_jobs import conf, limits
+from django_jobs import conf, dashboard, limits
 from django_jobs.backends import get_backend
 from django_jobs.backends.base import Hold, Lease, LimitUsage
 from django_jobs.backends.redis import RedisBackend
@@ -386,3 +386,14 @@ def test_a_restarted_redis_keeps_the_limits_and_is_given_the_scripts_again(priva
     finally:
         backend.client.flushall()
         backend.close()
+
+
+def test_the_dashboard_shows_the_redis_usage_of_each_limit(backend, settings):
+    settings.JOBS = {**settings.JOBS, "LIMITS": {QUEUE_KEY: {"concurrency": 3, "rate": "10/m"}}}
+    [limit] = limits.limits_for("tests.testapp.jobs.scripted", "default")
+    [lease] = leases(backend, 1)
+    assert backend.acquire(lease, [limit]) is None
+
+    rows = [row for row in dashboard.limit_rows() if row.backend == "redis"]
+
+    assert rows == [dashboard.LimitRow("redis", limit, LimitUsage(running=1, starts=1, reserved=0, parked=0))]
