@@ -16,7 +16,7 @@ from django.apps import apps
 from django.core.signals import setting_changed
 from django.utils import timezone
 
-from . import conf, registry, signing
+from . import conf, limits, registry, signing
 from .backends import get_backend
 from .backends.base import QueueBackend
 from .envelope import Envelope, PayloadProblem, a_type, check_keys, dumps_payload, new_id, payload_problem
@@ -70,6 +70,19 @@ class JobOptions(TypedDict, total=False):
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(JobOptions.__annotations__)
+
+
+class JobDefinition(JobOptions, total=False):
+    """What ``@job(...)`` takes: the :class:`JobOptions`, and the limits of the job's handler,
+    which hold for every call whatever its options (see :mod:`django_jobs.limits`)."""
+
+    # The most jobs of this handler running at once, across every worker.
+    concurrency: int | None
+    # The most starts of this handler per period: "100/m" (units s, m, h, d).
+    rate: str | None
+
+
+LIMIT_NAMES = ("concurrency", "rate")
 
 
 class JobBuilder:
@@ -187,9 +200,7 @@ class JobBuilder:
 
     def options(self, **values: Unpack[JobOptions]) -> JobBuilder:
         """Set several options by keyword (``queue=``, ``priority=``, ... as in ``using()``)."""
-        unknown = set(values) - set(OPTION_NAMES)
-        if unknown:
-            raise TypeError(f"unknown job option(s): {', '.join(sorted(unknown))}")
+        _refuse_unknown(values, "job option(s)")
         given: Mapping[str, Any] = values  # typed by JobOptions; routed to the setters below by name
         for key, value in given.items():
             if key == "retry_on":
@@ -290,6 +301,17 @@ class JobBuilder:
         env = self.build()
         get_backend(backend or self.backend_name).submit([env])
         return env.id
+
+
+def _refuse_unknown(options: Mapping[str, Any], what: str, allowed: tuple[str, ...] = OPTION_NAMES) -> None:
+    unknown = set(options) - set(allowed)
+    if unknown & set(LIMIT_NAMES):
+        raise TypeError(
+            f"{' and '.join(sorted(unknown & set(LIMIT_NAMES)))} limit every job of a handler, not one call: "
+            "set them in @job(...) or JOBS['LIMITS']"
+        )
+    if unknown:
+        raise TypeError(f"unknown {what}: {', '.join(sorted(unknown))}")
 
 
 def _available_at(opts: dict[str, Any], now: datetime) -> datetime | None:
@@ -509,11 +531,13 @@ class JobFunction(Generic[P, R]):
     It keeps the function's signature: ``dispatch()``, ``builder()`` and a direct call take the
     function's own arguments, and a direct call returns what the function returns."""
 
-    def __init__(self, func: Callable[P, R], options: JobOptions) -> None:
+    def __init__(self, func: Callable[P, R], options: JobDefinition) -> None:
         functools.update_wrapper(self, func)
         self.func = func
         self.key = f"{func.__module__}.{func.__qualname__}"
-        self.defaults = options
+        defined: Mapping[str, Any] = options
+        self.defaults: JobOptions = cast(JobOptions, {k: v for k, v in defined.items() if k not in LIMIT_NAMES})
+        limits.declare(self.key, concurrency=options.get("concurrency"), rate=options.get("rate"))
         self.signature = inspect.signature(func)
         registry.register(self.key, self)
 
@@ -577,6 +601,7 @@ class JobFunction(Generic[P, R]):
         """Override options for one dispatch: ``queue``, ``priority``, ``max_retries``,
         ``timeout``, ``delay``, ``scheduled_at``, ``idempotency_key``, ``name``, ``backend``,
         ``depends_on`` (parent job ids to wait for) and ``run_if_parent_fails``."""
+        _refuse_unknown(options, "job option(s)")
         return BoundJob(self, {**self.defaults, **options})
 
     def builder(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
@@ -728,22 +753,21 @@ def job(func: Callable[P, R], /) -> JobFunction[P, R]: ...
 
 
 @overload
-def job(func: None = None, /, **options: Unpack[JobOptions]) -> Callable[[Callable[P, R]], JobFunction[P, R]]: ...
+def job(func: None = None, /, **options: Unpack[JobDefinition]) -> Callable[[Callable[P, R]], JobFunction[P, R]]: ...
 
 
 def job(
-    func: Callable[P, R] | None = None, **options: Unpack[JobOptions]
+    func: Callable[P, R] | None = None, **options: Unpack[JobDefinition]
 ) -> JobFunction[P, R] | Callable[[Callable[P, R]], JobFunction[P, R]]:
     """Register a function as a job handler (under its dotted path). Bare ``@job`` works too.
 
     Options are :class:`JobOptions`, the builder's: ``queue``, ``priority``, ``max_retries``,
     ``timeout``, ``backoff`` (dict), ``retry_on`` (exception classes), ``single_instance``,
-    ``backend``, ``name``. The result keeps the function's signature, so a type checker checks
-    ``dispatch()`` arguments against it and a misspelled option.
+    ``backend``, ``name``; and the handler's limits, ``concurrency`` (jobs running at once) and
+    ``rate`` (``"100/m"``), enforced across every worker. The result keeps the function's
+    signature, so a type checker checks ``dispatch()`` arguments against it and a misspelled option.
     """
-    unknown = set(options) - set(OPTION_NAMES)
-    if unknown:
-        raise TypeError(f"unknown @job option(s): {', '.join(sorted(unknown))}")
+    _refuse_unknown(options, "@job option(s)", OPTION_NAMES + LIMIT_NAMES)
     if "depends_on" in options:
         raise TypeError("depends_on names the parents of one dispatch: pass it to using(), not @job")
 

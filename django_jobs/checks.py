@@ -159,6 +159,7 @@ RULES: dict[str, tuple[str, Rule]] = {
     "POLL_INTERVAL": ("E004", _number()),
     "METRICS_COLLECTOR": ("E010", _optional_name),
     "SCHEDULE": ("E010", _dict),
+    "LIMITS": ("E015", _dict),  # then each entry, and who enforces it: _limits
     "HISTORY_LIMIT": ("E004", _number(integer=True)),
     "PREFETCH": ("E004", _number(integer=True, positive=True)),
     "MAX_MESSAGE_BYTES": ("E004", _number(integer=True, positive=True)),
@@ -183,7 +184,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         if problem:
             errors.append(_error(f"SECRET_KEY_FALLBACKS {problem}", "E011", obj="settings.SECRET_KEY_FALLBACKS"))
     # _schedule comes after _handlers_and_queues, which imports the jobs modules (@job names).
-    for related in (_backends_and_engines, _strategy, _queues, _cache, _handlers_and_queues, _schedule):
+    for related in (_backends_and_engines, _strategy, _queues, _cache, _handlers_and_queues, _schedule, _limits):
         errors += related(bad)
     return errors
 
@@ -294,6 +295,36 @@ def _schedule(bad: set[str]) -> list[checks.CheckMessage]:
     if "SCHEDULE" in bad:
         return []
     return [_error(problem, "E014") for problem in schedules.errors()]
+
+
+def _limits(bad: set[str]) -> list[checks.CheckMessage]:
+    """E015: each bad entry of LIMITS; and a limit that the backend its jobs go to by default
+    cannot enforce (a worker would refuse to run them rather than run them unlimited)."""
+    from . import limits, registry
+    from .backends import engine_class
+
+    if "LIMITS" in bad:
+        return []
+    errors = [_error(problem, "E015") for problem in limits.problems(conf.get("LIMITS"))]
+    if errors or {"BACKENDS", "DEFAULT_BACKEND"} & bad:
+        return errors
+    backends, default = conf.get("BACKENDS"), conf.get("DEFAULT_BACKEND")
+    for limit in limits.configured().values():  # after _handlers_and_queues imported the @job modules
+        defaults = getattr(registry.registered().get(limit.key.partition(":")[2]), "defaults", None)
+        name = ((defaults or {}).get("backend") or default) if limit.kind == "handler" else default
+        try:
+            enforced = engine_class(backends[name].get("ENGINE", "database")).supports_limits
+        except (KeyError, ImproperlyConfigured, ImportError):  # E001, E002 say why
+            continue
+        if not enforced:
+            errors.append(
+                _error(
+                    f"limit {limits.describe([limit])} cannot be enforced by backend {name!r}, where its jobs go",
+                    "E015",
+                    hint="limits need the database or Redis engine; dispatch these jobs to such a backend or lift the limit",
+                )
+            )
+    return errors
 
 
 def _import_job_modules(bad: set[str]) -> list[checks.CheckMessage]:

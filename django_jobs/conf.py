@@ -52,6 +52,9 @@ DEFAULTS: dict[str, Any] = {
     "POLL_INTERVAL": 1.0,
     "METRICS_COLLECTOR": "django_jobs.metrics.InMemoryMetricsCollector",
     "SCHEDULE": {},
+    # Rate and concurrency limits: "queue:<name>" or "handler:<key>" -> {"concurrency": 5,
+    # "rate": "10/s"}, over the limits @job(concurrency=..., rate=...) declares.
+    "LIMITS": {},
     # Finished attempts kept per job in the attempt history (0: keep none).
     "HISTORY_LIMIT": 25,
     # The most jobs a worker claims at a time where its backend can claim a batch (database,

@@ -4,7 +4,8 @@ failure rates from the ``Throughput`` table, and the handlers failing most.
 Each figure is aggregated in SQL, so the page costs the same number of queries however many
 jobs there are: one per database the failed and cancelled rows live in, one per configured
 database-backend queue for its depth (brokers are asked over their own connections), and one
-each for throughput, the hourly chart and the failing handlers. The windows end at ``now``,
+each for throughput, the hourly chart and the failing handlers; and a few per rate or
+concurrency limit, on each backend that enforces limits. The windows end at ``now``,
 which tests pass in.
 """
 
@@ -14,14 +15,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import router
 from django.db.models import Count, Max, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
-from . import conf
+from . import conf, limits, registry
 from .backends import get_backend
-from .backends.base import QueueBackend
+from .backends.base import LimitUsage, QueueBackend
 from .backends.database import DatabaseBackend
 from .models import Job, JobStatus, Throughput
 
@@ -243,3 +245,36 @@ def failing_handlers(now: datetime, limit: int = TOP_HANDLERS) -> list[HandlerFa
         .order_by("-failures", "handler")[:limit]
     )
     return [HandlerFailures(**row) for row in rows]
+
+
+@dataclass(frozen=True)
+class LimitRow:
+    """A limit in force on one backend that enforces limits, and how much of it is in use."""
+
+    backend: str
+    limit: limits.Limit | None  # None: the limits could not be read (``error`` says why)
+    usage: LimitUsage | None = None  # None: the backend cannot tell
+    error: str = ""
+
+
+def limit_rows() -> list[LimitRow]:
+    """One row per configured limit and backend that enforces limits (``supports_limits``)."""
+    registry.autodiscover()  # @job(concurrency=..., rate=...) declares on import
+    try:
+        configured = sorted(limits.configured().values(), key=lambda limit: limit.key)
+    except ImproperlyConfigured as exc:
+        return [LimitRow("", None, error=str(exc))]
+    rows = []
+    for name in conf.get("BACKENDS"):
+        try:
+            backend = get_backend(name)
+        except Exception:  # noqa: BLE001, S112 - the queue table says why it cannot be read
+            continue
+        if not backend.supports_limits:
+            continue
+        for limit in configured:
+            try:
+                rows.append(LimitRow(name, limit, backend.limit_usage(limit)))
+            except Exception as exc:  # noqa: BLE001 - one unreachable backend must not break the page
+                rows.append(LimitRow(name, limit, error=_error(exc)))
+    return rows

@@ -67,6 +67,11 @@ class ParentCancelled(JobsError):
         return f"ParentCancelled: parent {parent_id} was cancelled"
 
 
+class LimitsNotSupported(JobsError):
+    """A job under a rate or concurrency limit reached a backend that cannot enforce limits:
+    refused at dispatch, and failed unrun by a worker that finds it (never run unlimited)."""
+
+
 class UnknownJob(JobsError, LookupError):
     """No database or backend holds a job with this id."""
 

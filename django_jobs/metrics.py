@@ -37,7 +37,7 @@ COUNTERS = (
     "jobs_aborted",
     "jobs_dependents_resolved",
 )
-HISTOGRAMS = ("jobs_exec_seconds", "jobs_wait_seconds", "jobs_retry_delay_seconds")
+HISTOGRAMS = ("jobs_exec_seconds", "jobs_wait_seconds", "jobs_retry_delay_seconds", "jobs_limit_wait_seconds")
 
 
 class MetricsCollector(Protocol):

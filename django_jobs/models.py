@@ -323,3 +323,69 @@ class JobDashboard(Job):
         proxy = True
         verbose_name = "dashboard"
         verbose_name_plural = "dashboard"
+
+
+# -- rate and concurrency limits (the database backend's own state; see backends/db_limits.py) --
+
+LIMIT_KEY_LENGTH = 200  # limits.KEY_MAX_LENGTH
+
+
+class LimitState(models.Model):
+    """One row per limit key: locked to serialise the grants of that limit across workers, and
+    holding its caps as a worker last applied them (the room a release sees)."""
+
+    key = models.CharField(primary_key=True, max_length=LIMIT_KEY_LENGTH)
+    concurrency = models.PositiveIntegerField(null=True, blank=True)
+    rate_count = models.PositiveIntegerField(null=True, blank=True)
+    rate_period = models.FloatField(null=True, blank=True, help_text="Seconds.")
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return str(self.key)
+
+
+class LimitSlot(models.Model):
+    """A concurrency slot held by a running job. It counts only while that job's row is
+    ``in_progress`` under the same owner token: a crashed worker's slot frees when its lease is
+    reaped, and a leftover row is merely deleted later."""
+
+    key = models.CharField(max_length=LIMIT_KEY_LENGTH)
+    job_id = models.CharField(max_length=64)
+    owner_token = models.CharField(max_length=64)
+    taken_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["key", "job_id"], name="django_jobs_limit_slot_uniq")]
+        indexes = [models.Index(fields=["job_id"], name="django_jobs_lslot_job_idx")]
+
+
+class LimitWaiter(models.Model):
+    """A job parked by a full concurrency limit: a release of that limit wakes the oldest."""
+
+    key = models.CharField(max_length=LIMIT_KEY_LENGTH)
+    job_id = models.CharField(max_length=64)
+    parked_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["key", "job_id"], name="django_jobs_limit_waiter_uniq")]
+        indexes = [
+            models.Index(fields=["key", "parked_at"], name="django_jobs_lwait_idx"),
+            models.Index(fields=["job_id"], name="django_jobs_lwait_job_idx"),
+        ]
+
+
+class LimitStart(models.Model):
+    """A start under a rate limit, at ``at``: granted, or ``reserved`` for ``job_id``, which
+    starts at that time without asking again. Rows older than the limit's period are deleted
+    as the limit is used."""
+
+    key = models.CharField(max_length=LIMIT_KEY_LENGTH)
+    at = models.DateTimeField()
+    job_id = models.CharField(max_length=64)
+    reserved = models.BooleanField(default=False)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["key", "at"], name="django_jobs_lstart_idx"),
+            models.Index(fields=["job_id"], name="django_jobs_lstart_job_idx"),
+        ]

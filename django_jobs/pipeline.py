@@ -32,11 +32,21 @@ from typing import Any, ParamSpec, TypeVar
 from django.utils import timezone
 
 from . import conf, history, registry, signing
-from .backends.base import Lease, QueueBackend
+from .backends.base import Hold, Lease, QueueBackend
 from .envelope import Envelope, dumps_payload
-from .exceptions import BadSignature, HandlerNotAllowed, InvalidPayload, JobAborted, JobsError, JobTimeout, LeaseLost
+from .exceptions import (
+    BadSignature,
+    HandlerNotAllowed,
+    InvalidPayload,
+    JobAborted,
+    JobsError,
+    JobTimeout,
+    LeaseLost,
+    LimitsNotSupported,
+)
 from .heartbeat import Heartbeat
 from .idempotency import Claim, IdempotencyGuard
+from .limits import Limit, describe, limits_for
 from .locks import CacheLock
 from .logfields import lease_fields, log_fields
 from .metrics import MetricsCollector, get_collector
@@ -88,7 +98,7 @@ _LABELS = {
     Outcome.CANCELLED: "cancelled",
 }
 # The label of a requeue that did not count a run: the job did not run, because its
-# idempotency key or single-instance lock was held by another delivery.
+# idempotency key or single-instance lock was held by another delivery, or a limit held it.
 DEFERRED = "deferred"
 
 
@@ -108,6 +118,8 @@ class WorkerResult:
     # A failed run requeued for another: seconds until it is due, and the most runs it may have.
     retry_in: float | None = None
     max_runs: int | None = None
+    # Deferred by a rate or concurrency limit: the limit's hold (its key and the delay).
+    hold: Hold | None = None
 
     @property
     def label(self) -> str:
@@ -133,6 +145,7 @@ class Verdict:
     value: Any = None  # what the run returned (kept when the job asks for its result)
     handler: Any = None  # the handler that ran (the sender of the job signals)
     requested_by: str | None = None  # who asked to abort a cancelled run
+    hold: Hold | None = None  # a limit deferred the start
 
 
 class JobContext:
@@ -221,6 +234,8 @@ class Delivery:
     # While the handler runs: its context and time limit, which an abort reaches.
     context: JobContext | None = None
     limit: TimeLimit | None = None
+    # It holds concurrency slots, or was parked by a full limit: release_limits after any ending.
+    limited: bool = False
 
     @property
     def attempt(self) -> int:
@@ -278,6 +293,7 @@ class DeliveryPipeline:
                 self.heartbeat.clear(lease)
             for release in delivery.release:
                 _quietly(release, "release a guard")
+            self._release_limits(delivery)
 
     def _admit(self, lease: Lease) -> tuple[Delivery | None, Verdict]:
         """Verify before trusting any field, including the queue the message claims."""
@@ -305,13 +321,46 @@ class DeliveryPipeline:
         if held is not None:
             return held
         if not self._still_held(d.lease):
-            logger.warning(
-                "job %s lost: its lease was lost before it could start; not running it",
-                d.env.id,
-                extra=lease_fields(d.lease, d.attempt, Outcome.LEASE_LOST.label),
-            )
-            return Verdict(Outcome.LEASE_LOST, count_run=False)
+            return self._lost_before_start(d)
+        limits = limits_for(d.env.handler, d.lease.queue)
+        if limits:
+            held = self._acquire(d, limits)
+            if held is not None:
+                return held
         return self._run(d)
+
+    def _lost_before_start(self, d: Delivery) -> Verdict:
+        logger.warning(
+            "job %s lost: its lease was lost before it could start; not running it",
+            d.env.id,
+            extra=lease_fields(d.lease, d.attempt, Outcome.LEASE_LOST.label),
+        )
+        return Verdict(Outcome.LEASE_LOST, count_run=False)
+
+    def _acquire(self, d: Delivery, limits: tuple[Limit, ...]) -> Verdict | None:
+        """Take a start under the job's limits; a verdict means: do not run (deferred, or failed
+        unrun where the backend cannot enforce limits: never run unlimited)."""
+        if not self.backend.supports_limits:
+            exc = LimitsNotSupported(
+                f"job is limited ({describe(limits)}) and backend {self.backend.name!r} cannot enforce limits; "
+                "not running it unlimited"
+            )
+            return Verdict(Outcome.DEAD_LETTERED, f"LimitsNotSupported: {exc}", count_run=False, exception=exc)
+        try:
+            hold = self.backend.acquire(d.lease, limits)
+        except LeaseLost:
+            return self._lost_before_start(d)
+        # Released after the settle: slots taken, or (parked) to look for room once requeued.
+        d.limited = hold.parked if hold is not None else any(limit.concurrency is not None for limit in limits)
+        if hold is None:
+            return None
+        self.metrics.observe("jobs_limit_wait_seconds", hold.delay, limit=hold.key)
+        return Verdict(Outcome.REQUEUED, delay=hold.delay, count_run=False, hold=hold)
+
+    def _release_limits(self, d: Delivery) -> None:
+        if d.limited:
+            d.limited = False
+            _quietly(lambda: self.backend.release_limits(d.lease), "release the job's limits")
 
     def _take_guards(self, d: Delivery) -> Verdict | None:
         """The idempotency key and the single-instance lock; a verdict means: do not run."""
@@ -485,6 +534,7 @@ class DeliveryPipeline:
             extra=lease_fields(d.lease, d.attempt),
         )
         self.settle(d.lease, self._cancelled(d, exc, seconds=0.0), retries=())
+        self._release_limits(d)
 
     def settle_timed_out(self, d: Delivery) -> None:
         """Heartbeat thread: the attempt ignored its soft timeout; settle it as a failed run
@@ -497,6 +547,7 @@ class DeliveryPipeline:
             "job %s is stuck past its timeout; settling it as failed", d.env.id, extra=lease_fields(d.lease, d.attempt)
         )
         self.settle(d.lease, self._failed(d, exc, seconds=0.0), retries=())
+        self._release_limits(d)
 
     # -- settling --
 
@@ -543,6 +594,7 @@ class DeliveryPipeline:
             exception=verdict.exception,
             retry_in=verdict.delay if retried else None,
             max_runs=env.max_retries + 1 if retried and env is not None else None,
+            hold=verdict.hold,
         )
         if outcome is not Outcome.LEASE_LOST:  # a lost lease is logged where it was found
             _log_result(lease, result)
@@ -727,8 +779,7 @@ def _log_result(lease: Lease, result: WorkerResult) -> None:
     elif result.status is Outcome.CANCELLED:
         logger.log(level, "job %s (%s) cancelled: %s", env.id, name, first_line, extra=extra)
     elif label == DEFERRED:
-        why = "its idempotency key or single-instance lock is held by another delivery"
-        logger.log(level, "job %s (%s) deferred: %s", env.id, name, why, extra=extra)
+        logger.log(level, "job %s (%s) deferred: %s", env.id, name, deferral(result.hold), extra=extra)
     elif result.status is Outcome.REQUEUED:
         logger.log(
             level, "job %s (%s) retrying in %gs after run %s: %s",
@@ -738,6 +789,15 @@ def _log_result(lease: Lease, result: WorkerResult) -> None:
         logger.log(level, "job %s (%s) skipped: its idempotency key already completed", env.id, name, extra=extra)
     else:
         logger.log(level, "job %s (%s) completed in %.3fs", env.id, name, result.seconds, extra=extra)
+
+
+def deferral(hold: Hold | None) -> str:
+    """Why a job was deferred, in words."""
+    if hold is None:
+        return "its idempotency key or single-instance lock is held by another delivery"
+    if hold.parked:
+        return f"limit {hold.key} is full; it waits for a running job to end"
+    return f"limit {hold.key} allows its start in {hold.delay:.3g}s"
 
 
 def _verdict_label(verdict: Verdict) -> str:

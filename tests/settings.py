@@ -4,6 +4,7 @@ Worker subprocesses started by tests use the same module with ``JOBS_TEST_SUBPRO
 which points them at the test databases pytest-django created.
 """
 
+import json
 import os
 from pathlib import Path
 
@@ -154,6 +155,8 @@ if os.environ.get("JOBS_TEST_LEASE_TIMEOUT"):
     JOBS["LEASE_TIMEOUT"] = float(os.environ["JOBS_TEST_LEASE_TIMEOUT"])
 if os.environ.get("JOBS_TEST_ABORT_GRACE"):
     JOBS["ABORT_GRACE"] = float(os.environ["JOBS_TEST_ABORT_GRACE"])
+if os.environ.get("JOBS_TEST_LIMITS"):  # JSON: JOBS["LIMITS"] of the workers a process test starts
+    JOBS["LIMITS"] = json.loads(os.environ["JOBS_TEST_LIMITS"])
 
 LOGGING = {
     "version": 1,

@@ -133,7 +133,19 @@ def dashboard_context(now: datetime) -> dict[str, Any]:
             for entry in handlers
         ],
         "jobs_url": reverse("admin:django_jobs_job_changelist"),
+        "limit_rows": [(row, *limit_cells(row)) for row in dashboard.limit_rows()],
     }
+
+
+def limit_cells(row: dashboard.LimitRow) -> tuple[str, str]:
+    """A limit's use against its caps: running / concurrency, and starts in the current window /
+    rate (``—`` for a cap it does not have, ``?`` where the backend cannot tell)."""
+    limit, usage = row.limit, row.usage
+    if limit is None:
+        return "", ""
+    running = "—" if limit.concurrency is None else f"{'?' if usage is None else usage.running} / {limit.concurrency}"
+    starts = "—" if limit.rate is None else f"{'?' if usage is None else usage.starts} / {limit.rate}"
+    return running, starts
 
 
 @admin.register(JobDashboard)

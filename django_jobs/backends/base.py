@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple
@@ -12,7 +12,8 @@ from typing import Any, Literal, NamedTuple
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from ..envelope import Envelope
-from ..exceptions import AbortNotSupported, DependenciesNotSupported, InvalidPayload, LeaseLost
+from ..exceptions import AbortNotSupported, DependenciesNotSupported, InvalidPayload, LeaseLost, LimitsNotSupported
+from ..limits import Limit, describe, limits_for
 
 # ``Lease.result`` of a run whose value is not kept (``None`` is a value: the job returned it).
 NO_RESULT: Any = object()
@@ -56,6 +57,27 @@ class LiveJob(NamedTuple):
     envelope: Envelope
 
 
+class Hold(NamedTuple):
+    """A start the limits refuse for now (:meth:`QueueBackend.acquire`): the job waits ``delay``
+    seconds, not counted as a run. ``key`` is the limit that holds it. ``parked``: it waits
+    for a running job of ``key`` to end, which wakes it (``delay`` is only a safety net);
+    otherwise its start is reserved ``delay`` seconds from now and it then starts without
+    asking again."""
+
+    delay: float
+    key: str
+    parked: bool
+
+
+class LimitUsage(NamedTuple):
+    """How much of a limit is in use now (:meth:`QueueBackend.limit_usage`)."""
+
+    running: int  # jobs holding a concurrency slot
+    starts: int  # starts granted within the last period
+    reserved: int  # starts reserved for jobs that come back later
+    parked: int  # jobs waiting for a concurrency slot
+
+
 class QueueBackend(ABC):
     """Where jobs wait. One instance per configured name, shared by a process's threads."""
 
@@ -87,6 +109,9 @@ class QueueBackend(ABC):
     # A job may wait for parent jobs (``options["parents"]``) before it becomes ready; the
     # others refuse such a job at dispatch (``DependenciesNotSupported``).
     supports_dependencies: bool = False
+    # acquire() enforces rate and concurrency limits across every worker; the others refuse a
+    # job under a limit at dispatch (``LimitsNotSupported``).
+    supports_limits: bool = False
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         self.name = name
@@ -114,7 +139,8 @@ class QueueBackend(ABC):
         """Requeue the message to be fetched again in ``delay`` seconds.
 
         ``count_run`` adds the delivery to ``attempts``; it is ``False`` only when the job did
-        not run (its idempotency key or single-instance lock was held elsewhere).
+        not run (its idempotency key or single-instance lock was held elsewhere, or a limit
+        deferred its start).
         """
 
     def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
@@ -257,6 +283,29 @@ class QueueBackend(ABC):
         is no longer ours raises ``LeaseLost``."""
         self.extend(lease, seconds)
 
+    def acquire(self, lease: Lease, limits: Sequence[Limit]) -> Hold | None:
+        """Take a start under every one of ``limits`` (ordered by key) for the job of ``lease``,
+        all or nothing, just before it runs: ``None`` = granted (its concurrency slots are held
+        until :meth:`release_limits`); a :class:`Hold` = not now, nothing taken.
+
+        Concurrency: a slot counts only while its job's lease is live, so a crashed worker's
+        slot frees when its lease is reaped. A refused job is parked on the full limit.
+        Rate: the start is granted when :func:`~django_jobs.limits.rate_slot` says ``now``, else
+        that slot is reserved for the job, which starts without asking again when it comes back
+        (:func:`~django_jobs.limits.reservation_state`). Fenced: raises ``LeaseLost``."""
+        raise LimitsNotSupported(
+            f"backend {self.name!r} ({type(self).__name__}) cannot enforce rate or concurrency limits"
+        )
+
+    def release_limits(self, lease: Lease) -> None:
+        """After the settle of a job that took concurrency slots (or was parked by a full limit,
+        after its requeue): free its slots and wake one job parked on each of its limits that
+        now has room (ready at once). Idempotent; never raises for a lost lease."""
+
+    def limit_usage(self, limit: Limit) -> LimitUsage | None:
+        """What the dashboard shows of ``limit``; ``None`` when the backend cannot tell."""
+        return None
+
     def release(self, lease: Lease) -> None:
         """Hand back a job that did not start (its worker stops, or it waited behind a long
         job): ready again at once, not counted as a run, keeping its place in its queue where the
@@ -303,12 +352,22 @@ class QueueBackend(ABC):
         so a worker never sees a job before the rows it refers to are committed.
 
         A job with parents is refused at once (``DependenciesNotSupported``) by a backend that
-        cannot hold it until they finish."""
+        cannot hold it until they finish; a job under a limit (``LimitsNotSupported``) by one
+        that cannot enforce limits."""
         if not self.supports_dependencies and any("parents" in envelope.options for envelope in envelopes):
             raise DependenciesNotSupported(
                 f"backend {self.name!r} ({type(self).__name__}) cannot hold a job until its parents finish; "
                 f"dependencies, chains and groups need a backend that can ({_dependency_backends()})"
             )
+        if not self.supports_limits:
+            for envelope in envelopes:
+                limits = limits_for(envelope.handler, envelope.queue)
+                if limits:
+                    raise LimitsNotSupported(
+                        f"job {envelope.handler} on queue {envelope.queue!r} is limited ({describe(limits)}), and "
+                        f"backend {self.name!r} ({type(self).__name__}) cannot enforce limits: dispatch it to a "
+                        "database or Redis backend, or lift the limit"
+                    )
         push: Callable[[], Any] = lambda: self.enqueue_many(envelopes)
         alias = None if self.transactional else atomic_alias()
         if alias is None:

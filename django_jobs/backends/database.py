@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import secrets
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 from weakref import WeakKeyDictionary
@@ -25,9 +26,11 @@ from django.utils.dateparse import parse_datetime
 from .. import conf, dependencies, rows
 from ..envelope import Envelope
 from ..exceptions import InvalidPayload, LeaseLost, WorkerLost
+from ..limits import Limit
 from ..models import ClaimedAhead, Job, JobStatus, envelope_columns
 from ..retry import after_lost_run
-from .base import NO_RESULT, Lease, QueueBackend
+from .base import NO_RESULT, Hold, Lease, LimitUsage, QueueBackend
+from .db_limits import DatabaseLimits
 
 TABLE = Job._meta.db_table
 # The statements prepared on each PostgreSQL connection (the driver's connection -> names).
@@ -116,6 +119,7 @@ class DatabaseBackend(QueueBackend):
     supports_dependencies = True
     transactional = True
     audit_failures = False  # a failed job keeps its own row
+    supports_limits = True
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
@@ -133,6 +137,7 @@ class DatabaseBackend(QueueBackend):
         # failed EXECUTE (a pooler in transaction mode, which loses prepared statements).
         self.prepare = bool(options.get("PREPARE", True))
         self._listener: Any = None  # PostgreSQL: the connection an idle worker LISTENs on
+        self.limits = DatabaseLimits(self.alias)
 
     # -- helpers --
 
@@ -645,6 +650,15 @@ class DatabaseBackend(QueueBackend):
 
     def resolve_dependents(self) -> int:
         return dependencies.sweep(self.alias)
+
+    def acquire(self, lease: Lease, limits: Sequence[Limit]) -> Hold | None:
+        return self.limits.acquire(lease, limits)
+
+    def release_limits(self, lease: Lease) -> None:
+        self.limits.release(lease)
+
+    def limit_usage(self, limit: Limit) -> LimitUsage | None:
+        return self.limits.usage(limit)
 
     def wait_for_work(self, queues: list[str], timeout: float) -> bool:
         """PostgreSQL: block until a job is inserted (``NOTIFY django_jobs``, sent by a trigger

@@ -5,7 +5,8 @@ Per queue: a waiting zset (priority, then FIFO), a delayed zset (due time), a pr
 message bodies. An idle worker blocks on a notify list instead of polling. ``fetch_many`` claims
 a batch ahead of its run: an ahead hash marks those claims, so the reaper hands a lost one back
 without counting a run until the worker ``begin``s it. An aborts hash flags running jobs asked to
-abort; the heartbeat's extend reads it.
+abort; the heartbeat's extend reads it. Rate and concurrency limits have keys and scripts of
+their own (``redis_limits.py``).
 
 Dependencies: a message with parents waits in a blocked hash (its outstanding parents) and is
 attached to each parent in the parent's own queue (a dependents hash), so every script still
@@ -20,6 +21,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from functools import cache
 from importlib.resources import files
@@ -30,9 +32,10 @@ from django.core.exceptions import ImproperlyConfigured
 from .. import conf
 from ..envelope import Envelope
 from ..exceptions import InvalidPayload, JobAborted, LeaseLost, ParentCancelled, ParentFailed, WorkerLost
+from ..limits import Limit
 from ..retry import after_lost_run
-from . import require
-from .base import NO_RESULT, AbortRequest, Lease, LiveJob, QueueBackend, decode_lease_body
+from . import redis_limits, require
+from .base import NO_RESULT, AbortRequest, Hold, Lease, LimitUsage, LiveJob, QueueBackend, decode_lease_body
 
 redis = require("redis", "redis")
 logger = logging.getLogger("django_jobs.backends.redis")
@@ -55,6 +58,7 @@ SCRIPTS = (
     "attach",
     "resolve",
     "drained",
+    "wake",
 )
 # Priorities share a float64 score with a 40-bit sequence number: keep them exact.
 PRIORITY_LIMIT = 8000
@@ -105,8 +109,11 @@ KINDS = QueueKeys._fields
 
 @cache
 def _source(name: str) -> str:
+    """A script behind its prelude: ``common.lua`` (a queue's keys) or, for a limit's script,
+    ``limit_common.lua`` (a limit's keys)."""
     lua = files("django_jobs.backends") / "lua"
-    return (lua / "common.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+    prelude = "limit_common" if name in redis_limits.SCRIPTS else "common"
+    return (lua / f"{prelude}.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
 
 
 def _ms(moment: float | None = None) -> int:
@@ -125,6 +132,7 @@ class RedisBackend(QueueBackend):
     pipelines_ack_fetch = True
     supports_prefetch = True
     supports_dependencies = True
+    supports_limits = True
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
@@ -132,6 +140,7 @@ class RedisBackend(QueueBackend):
         self._client: Any = None
         self._scripts: dict[str, Any] = {}
         self._next_due: dict[str, float] = {}
+        self.limits = redis_limits.RedisLimits(self)
 
     # -- connection --
 
@@ -139,7 +148,8 @@ class RedisBackend(QueueBackend):
     def client(self) -> Any:
         if self._client is None:
             self._client = self._connect()
-            self._scripts = {name: self._client.register_script(_source(name)) for name in SCRIPTS}
+            names = SCRIPTS + redis_limits.SCRIPTS
+            self._scripts = {name: self._client.register_script(_source(name)) for name in names}
         return self._client
 
     def _connect(self) -> Any:
@@ -167,8 +177,34 @@ class RedisBackend(QueueBackend):
     def _run(self, script: str, queue: str, *args: Any, client: Any = None) -> Any:
         """Run one Lua script on ``queue``: every script gets all the queue's keys, in
         :class:`QueueKeys` order."""
+        return self.run_script(script, self.keys(queue), args, client=client)
+
+    def run_script(self, script: str, keys: Sequence[str], args: Sequence[Any], client: Any = None) -> Any:
+        """Run one registered Lua script (``client``: a pipeline to queue it on)."""
         self.client  # noqa: B018  (connects and registers the scripts)
-        return self._scripts[script](keys=list(self.keys(queue)), args=list(args), client=client)
+        return self._scripts[script](keys=list(keys), args=list(args), client=client)
+
+    def batch(self, script: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], *reads: Any) -> list[Any]:
+        """One round trip: ``reads`` (``(client method name, *args)``), then ``script`` once
+        per (keys, args) of ``calls``; their replies, in order. The script goes by its SHA
+        alone: a pipeline given the script itself first asks the server whether it has it, a
+        round trip more. A server that lost it (restarted) ran none of the calls: it is loaded
+        again and the batch resent."""
+        self.client  # noqa: B018  (connects and registers the scripts)
+        lua = self._scripts[script]
+        try:
+            return self._send(lua.sha, calls, reads)
+        except redis.exceptions.NoScriptError:
+            self.client.script_load(lua.script)
+            return self._send(lua.sha, calls, reads)
+
+    def _send(self, sha: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], reads: Sequence[Any]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for method, *args in reads:
+            getattr(pipe, method)(*args)
+        for keys, args in calls:
+            pipe.evalsha(sha, len(keys), *keys, *args)
+        return list(pipe.execute())
 
     def _fenced(self, script: str, lease: Lease, *args: Any) -> int:
         """Run a settle script fenced on ``lease``; its flag (0 raises ``LeaseLost``)."""
@@ -367,7 +403,24 @@ class RedisBackend(QueueBackend):
         if not reply:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
         lease.expires_at = _from_ms(deadline)
+        self.limits.extend(lease, deadline)
         return None if isinstance(reply, int) else _text(reply)
+
+    # -- limits (redis_limits.py) --
+
+    def acquire(self, lease: Lease, limits: Sequence[Limit]) -> Hold | None:
+        return self.limits.acquire(lease, limits)
+
+    def release_limits(self, lease: Lease) -> None:
+        self.limits.release(lease)
+
+    def limit_usage(self, limit: Limit) -> LimitUsage | None:
+        return self.limits.usage(limit)
+
+    def wake(self, queue: str, job_id: str) -> int:
+        """A job parked on a limit: ready now if it waits delayed in ``queue`` (1); 2 if it is
+        leased or ready already (on its way to look for room itself), 0 if it is not there."""
+        return int(self._run("wake", queue, job_id))
 
     def request_abort(self, job_id: str, requested_by: str) -> AbortRequest:
         """Looks in every queue of ``JOBS["QUEUES"]``: a waiting or delayed message is taken out
@@ -613,6 +666,8 @@ class RedisBackend(QueueBackend):
                     lost_run(self, env.id, queue, env.attempts + 1, error, retry_in=retry_in, handler=env.handler)
                     if action == "fail":
                         self.record_failure(env, error, env.attempts + 1, queue)
+                if done != 0 and env is not None and owner is not None:  # its limits' slots free now
+                    self.limits.reaped(_text(job_id), _text(owner), env.handler, queue)
                 if done == REAPED_WITH_DEPENDENTS:
                     self._release([(_text(job_id), queue)])
         return reaped

@@ -136,14 +136,14 @@ class SyncBackend(QueueBackend):
 def _raise_for(result: WorkerResult) -> None:
     """Raise what a delivery that did not succeed raised, or a ``JobsError`` saying why it did
     not run; return for a success or a skip (its idempotency key had already succeeded)."""
-    from ..pipeline import Outcome  # the pipeline imports the backends package
+    from ..pipeline import Outcome, deferral  # the pipeline imports the backends package
 
     if result.exception is not None:
         raise result.exception
     if result.status in (Outcome.ACKED, Outcome.SKIPPED_IDEMPOTENT):
         return
     if result.status is Outcome.REQUEUED:
-        why = "its idempotency key or single-instance lock is held by another delivery"
+        why = deferral(result.hold)
     else:
         why = result.error or str(result.status)
     raise JobsError(f"job {result.job_id} ({result.handler}) on queue {result.queue!r} was not run: {why}")

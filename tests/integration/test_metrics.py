@@ -51,7 +51,9 @@ def test_documented_counter_and_histogram_names_are_known():
         "jobs_dlq_failed",
     }
     assert documented <= set(COUNTERS)
-    assert {"jobs_exec_seconds", "jobs_wait_seconds", "jobs_retry_delay_seconds"} == set(HISTOGRAMS)
+    assert {"jobs_exec_seconds", "jobs_wait_seconds", "jobs_retry_delay_seconds", "jobs_limit_wait_seconds"} == set(
+        HISTOGRAMS
+    )
     assert isinstance(get_collector(), InMemoryMetricsCollector)
 
 

@@ -40,6 +40,7 @@ from redis.retry import Retry
 from django_jobs import Jobs
 from django_jobs.backends import get_backend
 from django_jobs.backends.redis import QueueKeys, RedisBackend
+from django_jobs.backends.redis_limits import LimitKeys
 from django_jobs.envelope import Envelope
 from django_jobs.idempotency import Claim, IdempotencyGuard
 from django_jobs.metrics import get_collector
@@ -738,13 +739,25 @@ def test_common_lua_names_the_keys_in_queue_keys_order():
     assert (keys.waiting, keys.failed) == ("p:{q}:waiting", "p:{q}:failed")
 
 
+def test_limit_common_lua_names_the_keys_in_limit_keys_order():
+    """A limit's scripts get ``LimitKeys`` as KEYS in field order; limit_common.lua names them so."""
+    text = (LUA / "limit_common.lua").read_text()
+    named = [m.groups() for line in text.splitlines() if (m := HEADER_KEY.match(line))]
+    assert [name for name, _ in named] == list(LimitKeys._fields)
+    assert [int(index) for _, index in named] == list(range(1, len(LimitKeys._fields) + 1))
+
+
+# The preludes, and the keys whose names they give every script of their kind.
+PRELUDES = {"common.lua": QueueKeys._fields, "limit_common.lua": LimitKeys._fields}
+
+
 @pytest.mark.parametrize("script", sorted(path.name for path in LUA.iterdir() if path.name.endswith(".lua")))
 def test_every_script_names_its_arguments_once_in_its_header(script):
-    """KEYS are read only in common.lua's header, and each ARGV once, in order, in the script's
-    own header: the body uses names, never positions."""
+    """KEYS are read only in the headers of the preludes (common.lua, limit_common.lua), and
+    each ARGV once, in order, in the script's own header: the body uses names, never positions."""
     lines = (LUA / script).read_text().splitlines()
     positional = [line for line in lines if "KEYS[" in line]
-    assert len(positional) == (len(QueueKeys._fields) if script == "common.lua" else 0)
+    assert len(positional) == len(PRELUDES.get(script, ()))
     args = [line for line in lines if "ARGV[" in line]
     assert all(HEADER_ARG.match(line) for line in args), args
     assert [int(HEADER_ARG.match(line).group(1)) for line in args] == list(range(1, len(args) + 1))

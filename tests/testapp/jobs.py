@@ -58,6 +58,20 @@ def scripted(
     return action
 
 
+@job
+def timed(path: str, seconds: float = 0.0) -> None:
+    """Runs ``seconds``, then appends ``start end pid`` (``time.time()``) to ``path`` in one
+    write: with ``O_APPEND``, lines from many processes never interleave."""
+    start = time.time()
+    time.sleep(seconds)
+    line = f"{start:.6f} {time.time():.6f} {os.getpid()}\n".encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
 def abortable(context: JobContext) -> str:
     """A ``JOBS["HANDLERS"]`` handler (``abortable``) that runs until it is aborted, as its
     payload's ``mode`` says: ``cooperative`` checks ``context.aborted`` every 0.1 s and returns;

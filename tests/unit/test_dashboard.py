@@ -14,9 +14,10 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_jobs import charts, dashboard
+from django_jobs import Jobs, charts, dashboard, limits
 from django_jobs.admin.dashboard import age_text, rate_text
 from django_jobs.models import Job, Throughput
+from tests.testapp.jobs import scripted
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("clean_state")]
 
@@ -190,6 +191,40 @@ def test_an_unreachable_backend_shows_its_error_and_the_rest_renders(admin_clien
     assert not rows["default", "emails"].error and rows["default", "emails"].pending == 1
     assert "Could not read this backend: ConnectionError" in response.content.decode()
     assert 'id="jobs-hourly"' in response.content.decode()
+
+
+# -- Limits -------------------------------------------------------------------------------------
+
+
+def test_the_limits_table_shows_each_limits_use_against_its_caps(admin_client, settings):
+    table = {"queue:emails": {"concurrency": 2, "rate": "10/m"}, "handler:other.job": {"rate": "5/s"}}
+    settings.JOBS = {**settings.JOBS, "LIMITS": table}
+    scripted.using(queue="emails").dispatch(action="ok")
+    backend = Jobs.backend("default")
+    lease = backend.fetch("emails")
+    assert lease is not None and lease.envelope is not None
+    assert backend.acquire(lease, limits.limits_for(lease.envelope.handler, "emails")) is None
+
+    text = page(admin_client)
+
+    cells = re.findall(
+        r"<tr>\s*<td>(.*?)</td><td>(.*?)</td>\s*<td>(.*?)</td><td>(.*?)</td>\s*<td>(.*?)</td>\s*<td>(.*?)</td>", text
+    )
+    assert ("handler:other.job", "default", "—", "0 / 5/s", "0", "0") in cells
+    assert ("queue:emails", "default", "1 / 2", "1 / 10/m", "0", "0") in cells
+
+
+def test_without_limits_there_is_no_limits_table(admin_client):
+    assert 'id="jobs-limits"' not in page(admin_client)
+
+
+def test_bad_limits_show_their_error_and_the_rest_renders(admin_client, settings):
+    settings.JOBS = {**settings.JOBS, "LIMITS": {"queue:emails": {"rate": "often"}}}
+
+    text = page(admin_client)
+
+    assert "JOBS[&#x27;LIMITS&#x27;] is wrong: LIMITS[&#x27;queue:emails&#x27;]: bad rate" in text
+    assert 'id="jobs-hourly"' in text
 
 
 # -- Charts -------------------------------------------------------------------------------------

@@ -33,6 +33,10 @@ def add(x: int, y: int = 0) -> int:
     return x + y
 
 
+@job(concurrency=2, rate="100/m")
+def limited(order_id: int) -> None: ...
+
+
 job_id: str = send_welcome.dispatch(user_id=7)
 also: str = send_welcome.dispatch(7)
 total: int = add(2, y=3)  # a direct call keeps the function's return type
@@ -74,6 +78,11 @@ send_welcome.using().dispatch(user_id=None)  # E: arg-type
 send_welcome.builder("7")  # E: arg-type
 text: str = count(7)  # E: assignment
 Jobs.define("command").options(max_retries="3")  # E: arg-type
+send_welcome.using(concurrency=1)  # E: call-arg
+
+
+@job(concurrency="2")  # E: call-overload untyped-decorator
+def limited(order_id: int) -> None: ...
 """
 
 ERROR = re.compile(r"^(?P<file>[^:]+\.py):(?P<line>\d+): error: .*\[(?P<code>[a-z-]+)\]$")

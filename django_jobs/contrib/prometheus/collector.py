@@ -21,12 +21,18 @@ logger = logging.getLogger(__name__)
 # registering the same names twice.
 _created: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+# Histograms whose values outgrow Prometheus' default buckets (which end at 10 s): a start held
+# back by a limit waits up to the lease timeout (parked) or as long as its rate says.
+BUCKETS: dict[str, tuple[float, ...]] = {
+    "jobs_limit_wait_seconds": (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 21600, 86400),
+}
 
 
 class PrometheusCollector:
     """Creates each metric on first use, in ``registry`` (the default registry when ``None``).
 
-    Counters are exported as ``<name>_total``, histograms with Prometheus' default buckets; the
+    Counters are exported as ``<name>_total``, histograms with Prometheus' default buckets
+    (:data:`BUCKETS` where those are too short); the
     label names are those of the first use (``queue`` for every worker metric). A metric that
     cannot be updated is logged, never raised: these calls sit in the worker's path.
     """
@@ -43,7 +49,9 @@ class PrometheusCollector:
             with _lock:
                 metric = self._metrics.get(name)
                 if metric is None:
-                    metric = kind(name, f"django-jobs {name.replace('_', ' ')}", sorted(labels), registry=self.registry)
+                    extra = {"buckets": BUCKETS[name]} if name in BUCKETS else {}
+                    description = f"django-jobs {name.replace('_', ' ')}"
+                    metric = kind(name, description, sorted(labels), registry=self.registry, **extra)
                     self._metrics[name] = metric
         return metric.labels(**labels) if labels else metric
 

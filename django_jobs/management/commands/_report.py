@@ -19,7 +19,7 @@ from django.core.management.base import OutputWrapper
 from django.core.management.color import no_style
 
 from django_jobs import registry
-from django_jobs.pipeline import DEFERRED, Outcome
+from django_jobs.pipeline import DEFERRED, Outcome, deferral
 from django_jobs.worker import WorkerResult
 
 START_LINE = "django-jobs worker started"
@@ -77,6 +77,8 @@ class Report:
         retry = ""
         if result.retry_in is not None and result.attempt is not None:
             retry = f"  retry {result.attempt + 1}/{result.max_runs} in {result.retry_in:.1f}s"
+        elif result.hold is not None:  # deferred by a rate or concurrency limit
+            retry = f"  {deferral(result.hold)}"
         self._write(
             f"{self._coloured(label, f'{label:<{LABEL_WIDTH}}')} {result.job_id} {result.handler} "
             f"queue={result.queue} attempt={result.attempt} {result.seconds:.3f}s{retry}{error}"
