@@ -38,3 +38,16 @@ def attribute(effects: list[dict[str, Any]], event_log: list[dict[str, Any]]) ->
                 if hit:
                     return kind
     return "unattributed"
+
+
+def attribute_rerun(run: dict[str, Any], next_started: float, event_log: list[dict[str, Any]]) -> str:
+    """Why a job ran again after ``run`` (its start marker: pid, started), the next run having
+    begun at ``next_started``: ``kill`` when the worker running it was SIGKILLed after the run
+    began and before the next one began (its settle never happened: the lease expired and the
+    job was claimed again, at-least-once delivery); otherwise ``unattributed``, which for a job
+    whose parents released it means it was made ready twice. Relative times, as in ``attribute``.
+    """
+    for event in event_log:
+        if event["kind"] == "kill" and run["pid"] in event["pids"] and run["started"] <= event["at"] <= next_started:
+            return "kill"
+    return "unattributed"

@@ -151,6 +151,23 @@ class Probe:
                 states[job_id] = "completed" if unsettled == 0 else "unknown"
         return states
 
+    def kept_failed_ids(self, ids: list[str]) -> set[str]:
+        """Redis: the ids of ``ids`` in a queue's failed set, the broker's own record of a
+        permanent failure (its failed ``Job`` row is written after it, by the worker). Other
+        backends: none (the database's row is the job; beanstalkd is not asked)."""
+        if self.kind != "redis" or not ids:
+            return set()
+
+        def ask() -> set[str]:
+            pipe = self.backend.client.pipeline(transaction=False)
+            for queue in QUEUES:
+                for job_id in ids:
+                    pipe.zscore(self.backend.keys(queue).failed, job_id)
+            scores = pipe.execute()
+            return {job_id for i, job_id in enumerate(ids * len(QUEUES)) if scores[i] is not None}
+
+        return retrying(ask)
+
     def failed_rows(self, ids: list[str]) -> dict[str, tuple[int, str]]:
         """Failed Job rows (attempts, first line of last_error) of these ids."""
         out = {}

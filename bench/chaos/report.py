@@ -218,8 +218,72 @@ def rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                     f"{ph['worker_crashes']}; {ph['leases_left']}; {sorted(set(ph['exit_codes_on_sigterm'].values()))}",
                 ),
             ]
+    if "flows" in s:
+        out += _flows_rows(s["flows"])
     out.append(("seconds per scenario", ", ".join(f"{k} {v:g}" for k, v in secs.items())))
     return out
+
+
+def _flows_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
+    if "skipped" in f:
+        return [("flows", f"skipped: {f['skipped']}")]
+    expected = f["expected"]
+    causes = ", ".join(f"{k} {v}" for k, v in sorted(f["extra_runs_by_cause"].items())) or "none"
+    terms = f["terms"]
+    exits = [t["exit_s"] for t in terms if t["exit_s"] is not None]
+    return [
+        (
+            "flows: chains x steps + groups x members (+ callback) + late dependents; job sleep / lease",
+            (
+                f"{f['chains']} x {f['steps']} + {f['groups']} x {f['members']} (+1) + {f['late_dependents']} "
+                f"= {f['jobs']} jobs; {f['job_ms']:g} ms / {f['lease_timeout']:g} s"
+            ),
+        ),
+        (
+            "flows: designed to fail / settled by a failed parent (expected)",
+            f"{f['failed_by_design']} / {f['settled_by_parent']} ({expected.get('parent_failed', 0)})",
+        ),
+        ("flows: SIGKILL / SIGTERM", f"{f['events'].get('kill', 0)} / {f['events'].get('term', 0)}"),
+        (
+            "flows: **jobs lost** (not ended as designed)",
+            f"**{f['lost']}** of {f['jobs']}" + (f" {f['lost_by_role']}" if f["lost"] else ""),
+        ),
+        (
+            "flows: failed jobs without their failed `Job` row (Redis: kept in the failed set)",
+            str(f.get("failed_rows_missing", "-")),
+        ),
+        (
+            "flows: **started before their parents finished**",
+            (
+                f"**{f['out_of_order']}** (chains in order {f['chains_in_order']}/{f['chains']}, "
+                f"callbacks after their group {f['groups_in_order']}/{f['groups']})"
+            ),
+        ),
+        (
+            "flows: callbacks completed / run more than once",
+            f"{f['callbacks_completed']}/{f['callbacks']} / {f['callbacks_run_more_than_once']}",
+        ),
+        (
+            "flows: **callbacks released twice** / re-run after their worker was killed",
+            f"**{f['callbacks_released_twice']}** / {f['callbacks_rerun_after_kill']}",
+        ),
+        ("flows: extra runs (all jobs), by cause", f"{f['extra_runs']} ({causes})"),
+        (
+            "flows: release latency p50/p99/max: chain step; callback; late dependent",
+            "; ".join(_lat(f["release_latency_s"][role]) for role in ("step", "callback", "late")),
+        ),
+        (
+            "flows: SIGTERMed workers: exit codes; SIGTERM -> exit max; runs started after SIGTERM",
+            f"{f['term_exit_codes']}; {max(exits):.2f} s; {f['runs_started_after_sigterm']}"
+            if exits
+            else "none stopped",
+        ),
+        ("flows: throughput; wall", f"{f['throughput_jobs_per_s']} jobs/s; {f['wall_s']:g} s"),
+        (
+            "flows: worker crashes; leases left; exit codes on SIGTERM",
+            f"{f['worker_crashes']}; {f['leases_left']}; {sorted(set(f['exit_codes_on_sigterm'].values()))}",
+        ),
+    ]
 
 
 def tables(reports: list[dict[str, Any]]) -> str:

@@ -1,4 +1,4 @@
-"""The six scenarios of the chaos battery. Each returns a JSON-able dict of figures.
+"""The seven scenarios of the chaos battery. Each returns a JSON-able dict of figures.
 
 Times are ``time.time()`` (the workers stamp their runs with the same clock); figures given
 relative to a run's start are in seconds.
@@ -189,7 +189,7 @@ class Event:
         }
 
 
-def _freeze_in_run(fleet: Fleet, inc: Incarnation, timeout: float) -> bool:
+def freeze_in_run(fleet: Fleet, inc: Incarnation, timeout: float) -> bool:
     """Leave the worker frozen (SIGSTOP) at a moment it is inside a run (a start marker and no
     side effect yet), so the SIGKILL that follows loses a job in hand for sure. Jobs of a few
     ms end faster than the driver can look, hence freeze first, look, and thaw if it is not."""
@@ -290,7 +290,7 @@ def _drain(ctx: Context, n: int, ms: float, *, chaos: bool, restart: bool = Fals
                     # (often claiming or settling, with jobs of a few ms).
                     mid_run = sum(1 for e in events if e.kind == "kill") % 2 == 0
                     if mid_run:
-                        _freeze_in_run(fleet, target, 1.0)
+                        freeze_in_run(fleet, target, 1.0)
                     pids, t = fleet.kill(target)
                     events.append(Event("kill", t, t, pids, target.slot, "mid-run" if mid_run else "blind"))
                     fleet.start(target.slot, wait=False)  # the driver's supervisor loop
@@ -920,7 +920,8 @@ def _soak_sample(ctx: Context, fleet: Fleet, t: float) -> dict[str, Any]:
     }
 
 
-from .dbrestart import dbrestart  # it uses the helpers above: imported last
+from .dbrestart import dbrestart  # they use the helpers above: imported last
+from .flows import flows
 
 SCENARIOS = {
     "crash": crash,
@@ -929,4 +930,5 @@ SCENARIOS = {
     "shutdown": shutdown,
     "soak": soak,
     "dbrestart": dbrestart,
+    "flows": flows,
 }

@@ -2,7 +2,7 @@
 
 ``bench/chaos_battery.py`` runs real ``jobs_work`` processes against a PRIVATE PostgreSQL server it
 initdb's and starts on a free loopback port (its own temp dir, never the shared server) and, for
-Redis, a PRIVATE ``redis-server`` on a free port. Two scenarios, ~300 jobs each:
+Redis, a PRIVATE ``redis-server`` on a free port. Scenarios, ~300 jobs each:
 
 - crash: three workers drain 300 jobs while the script SIGKILLs one every few seconds (and
   restarts it), SIGSTOPs another past its 2 s lease (then SIGCONTs it), and crash-restarts the
@@ -14,9 +14,13 @@ Redis, a PRIVATE ``redis-server`` on a free port. Two scenarios, ~300 jobs each:
   times the 2 s lease) run, and again while the workers are idle: every job must run exactly
   once and end with its record (completed, or failed with its own error), none reaped while it
   ran.
+- flows: 60 chains of 5 steps, 15 groups of 10 with a callback and 40 late dependents, some
+  designed to fail, while one worker is SIGKILLed every 1.5 s and another SIGTERMed every 3 s:
+  every job ends as designed, no step or callback starts before its parents finished, and no
+  callback runs twice unless the worker running it was killed.
 
-Only outcomes are asserted (nothing lost, nothing bad executed, no worker crash, chaos did
-happen); the figures (duplicates, latencies, throughput) vary with the machine and are printed.
+Only outcomes are asserted (nothing lost, nothing bad executed, nothing out of order, no worker
+crash, chaos did happen); the figures (duplicates, latencies, throughput) vary with the machine and are printed.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from tests.servers import postgres_bindir
 SCRIPT = REPO_ROOT / "bench" / "chaos_battery.py"
 
 
-def run_chaos(backend: str, tmp_path: Any, scenarios: str = "crash,tamper") -> tuple[dict[str, Any], str]:
+def run_chaos(backend: str, tmp_path: Any, scenarios: str) -> tuple[dict[str, Any], str]:
     out = tmp_path / f"chaos-{backend}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JOBS_TEST_", "CHAOS_"))}
     proc = subprocess.run(
@@ -124,6 +128,41 @@ def check_dbrestart(report: dict[str, Any], log: str) -> str:
     return f"[chaos --short {report['backend']} dbrestart] " + "; ".join(lines)
 
 
+def check_flows(report: dict[str, Any], log: str) -> str:
+    flows = report["scenarios"]["flows"]
+    details = json.dumps(
+        {
+            k: flows[k]
+            for k in ("lost_ids", "out_of_order_detail", "callbacks_rerun_detail", "unexpected_exits", "event_log")
+        },
+        indent=1,
+    )
+    # Every step, member, callback and late dependent ended as designed: completed, failed by
+    # its own design, or failed with ParentFailed without a run after a parent that failed.
+    assert flows["drained"], f"flows did not drain\n{details}\n{log}"
+    assert flows["lost"] == 0, f"{flows['lost']} job(s) lost {flows['lost_by_role']}\n{details}\n{log}"
+    assert flows["settled_by_parent"] == flows["expected"]["parent_failed"] > 0, flows["expected"]
+    assert flows["settled_by_parent_with_another_error"] == 0, details
+    # No job started before its parents finished: chains in order, callbacks after their group.
+    assert flows["out_of_order"] == 0, f"out of order\n{details}"
+    assert flows["chains_in_order"] == flows["chains"] and flows["groups_in_order"] == flows["groups"], details
+    # Each callback ran; a second run only ever after a SIGKILL of the worker running it.
+    assert flows["callbacks_completed"] == flows["callbacks"] == flows["groups"], details
+    assert flows["callbacks_released_twice"] == 0, f"callbacks released twice\n{details}"
+    assert flows["worker_crashes"] == 0, f"worker crashes\n{details}\n{log}"
+    assert set(flows["exit_codes_on_sigterm"].values()) == {0} and flows["term_exit_codes"] == [0], flows["terms"]
+    assert flows["leases_left"] == 0 and flows["backlog_after"] == 0, flows
+    # Not vacuous: workers were killed and stopped while jobs were queued.
+    assert flows["events"].get("kill", 0) >= 1 and flows["events"].get("term", 0) >= 1, flows["event_log"]
+    return (
+        f"[chaos --short {report['backend']} flows] lost 0/{flows['jobs']} {flows['jobs_by_role']}; "
+        f"{flows['chains_in_order']} chains and {flows['groups_in_order']} groups in order; events {flows['events']}; "
+        f"callbacks re-run after a kill {flows['callbacks_rerun_after_kill']}, released twice 0; "
+        f"extra runs {flows['extra_runs_by_cause']}; failed without their Job row {flows['failed_rows_missing']}; "
+        f"release latency p50 {flows['release_latency_s']['step']['p50']} s"
+    )
+
+
 def require_private_servers(*binaries: str) -> None:
     require_service("PostgreSQL binaries (initdb)", postgres_bindir() is not None, "set PG_BINDIR")
     for binary in binaries:
@@ -133,11 +172,12 @@ def require_private_servers(*binaries: str) -> None:
 @pytest.mark.slow
 def test_chaos_short_on_postgres(tmp_path, capsys):
     require_private_servers()
-    report, log = run_chaos("postgres", tmp_path, "crash,tamper,dbrestart")
+    report, log = run_chaos("postgres", tmp_path, "crash,tamper,dbrestart,flows")
     # The private PostgreSQL server is crash-restarted twice (SIGKILL, 1 s down, WAL replay).
     assert report["scenarios"]["crash"]["broker_restarts_enabled"] is True
     summary = check(report, log, broker_restarts=2)
     summary += "\n" + check_dbrestart(report, log)
+    summary += "\n" + check_flows(report, log)
     with capsys.disabled():
         print("\n" + summary)
 
@@ -145,8 +185,9 @@ def test_chaos_short_on_postgres(tmp_path, capsys):
 @pytest.mark.slow
 def test_chaos_short_on_redis(tmp_path, capsys):
     require_private_servers("redis-server")
-    report, log = run_chaos("redis", tmp_path)
+    report, log = run_chaos("redis", tmp_path, "crash,tamper,flows")
     # The private redis-server is killed and restarted from its AOF twice.
     summary = check(report, log, broker_restarts=2)
+    summary += "\n" + check_flows(report, log)
     with capsys.disabled():
         print("\n" + summary)
