@@ -58,7 +58,7 @@ from django_jobs.api import JobBuilder
 from .flowcheck import Spec, check
 from .probe import QUEUES, effects_by_job, retrying, runs_by_job, sql
 from .scenarios import Context, Event, freeze_in_run, log, spread, worker_health, worker_log_counts
-from .workers import Incarnation, group_pids
+from .workers import Fleet, Incarnation, group_pids
 
 STEPS = 5
 HEALTHY_RETRIES = 25
@@ -216,6 +216,7 @@ def flows(ctx: Context) -> dict[str, Any]:
             "backlog_after": ctx.probe.backlog(),
             "leases_left": ctx.probe.leased(),
             "worker_log": worker_log_counts(fleet),
+            "dependency_log": _dependency_log(fleet),
             **worker_health(fleet),
         }
     )
@@ -266,6 +267,7 @@ def _analyse(
         {
             "throughput_jobs_per_s": round(len(firsts) / (max(firsts) - origin), 1) if firsts else None,
             "wall_s": round(drained_at - origin, 2),
+            "origin_epoch": origin,
             "events": dict(Counter(e.kind for e in events)),
             "event_log": event_log,
             "terms": term_log,
@@ -274,3 +276,13 @@ def _analyse(
         }
     )
     return result
+
+
+def _dependency_log(fleet: Fleet) -> dict[str, int]:
+    """The workers' log lines about work left to the reaper's sweep or not recorded."""
+    err = fleet.lines("err")
+    return {
+        "failure_records_failed": sum(1 for line in err if "could not record the" in line),
+        "resolutions_left_to_the_sweep": sum(1 for line in err if "could not resolve the dependents" in line),
+        "attaches_left_to_the_sweep": sum(1 for line in err if "could not attach job(s)" in line),
+    }
