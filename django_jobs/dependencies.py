@@ -180,22 +180,29 @@ def _lock_children(alias: str, parent: str, outcome: str) -> list[dict[str, Any]
         _, rows = _sql(
             alias,
             f"WITH edges AS (UPDATE {EDGES} SET outcome = %s WHERE parent = %s AND outcome IS NULL RETURNING child) "
-            f"SELECT id, attempts, queue, handler FROM {JOBS} WHERE id IN (SELECT child FROM edges) "
-            f"AND status = 'waiting' ORDER BY id FOR UPDATE",
+            f"SELECT {_LOCKED_COLUMNS} FROM {JOBS} WHERE id IN (SELECT child FROM edges) ORDER BY id FOR UPDATE",
             [outcome, parent],
         )
-        return [dict(zip(_LOCKED, row, strict=True)) for row in rows]
+        return _waiting(rows)
     locked = _lock_waiting(alias, parent=parent)
     _sql(alias, f"UPDATE {EDGES} SET outcome = %s WHERE parent = %s AND outcome IS NULL", [outcome, parent])
     return locked
 
 
+# The rows are found by primary key and their status tested here, not in SQL: a status test
+# could lead PostgreSQL's planner onto the status index (when its statistics say few rows are
+# waiting), which walks every waiting row. (No other transaction changes a locked row.)
 _LOCKED = ("id", "attempts", "queue", "handler")
+_LOCKED_COLUMNS = ", ".join((*_LOCKED, "status"))
+
+
+def _waiting(rows: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    return [dict(zip(_LOCKED, row[:-1], strict=True)) for row in rows if row[-1] == JobStatus.WAITING]
 
 
 def _lock_waiting(alias: str, ids: list[str] | None = None, *, parent: str | None = None) -> list[dict[str, Any]]:
-    """Lock the rows still waiting of ``ids``, or of the children of ``parent`` whose edge is
-    open, in id order; what a settle records of them."""
+    """Lock the rows of ``ids``, or of the children of ``parent`` whose edge is open, in id
+    order; what a settle records of those still waiting."""
     if parent is not None:
         chosen, params = f"SELECT child FROM {EDGES} WHERE parent = %s AND outcome IS NULL", [parent]
     elif ids:
@@ -205,10 +212,10 @@ def _lock_waiting(alias: str, ids: list[str] | None = None, *, parent: str | Non
     lock = "" if connections[alias].vendor == "sqlite" else " FOR UPDATE"
     _, rows = _sql(
         alias,
-        f"SELECT id, attempts, queue, handler FROM {JOBS} WHERE id IN ({chosen}) AND status = 'waiting' ORDER BY id{lock}",
+        f"SELECT {_LOCKED_COLUMNS} FROM {JOBS} WHERE id IN ({chosen}) ORDER BY id{lock}",
         params,
     )
-    return [dict(zip(_LOCKED, row, strict=True)) for row in rows]
+    return _waiting(rows)
 
 
 def _decide(
@@ -243,7 +250,7 @@ def _decide(
         if verdict.state == "ready":
             ready.append(child["id"])
         elif verdict.state != "waiting":
-            Job.objects.using(alias).filter(pk=child["id"], status=JobStatus.WAITING).update(
+            Job.objects.using(alias).filter(pk=child["id"]).update(  # locked, and waiting
                 status=verdict.state, finished_at=now, last_error=verdict.reason, updated_at=now
             )
             resolution.settled.append(
@@ -292,7 +299,7 @@ def _release(alias: str, ids: list[str], now: datetime, *, unless_open: bool = F
     sql = (
         f"UPDATE {JOBS} SET status = 'pending', updated_at = %s, "
         f"available_at = CASE WHEN available_at < %s THEN %s ELSE available_at END "
-        f"WHERE id IN ({_in(ids)}) AND status = 'waiting'{free}"
+        f"WHERE id IN ({_in(ids)}){free}"  # locked, and waiting
     )
     params = [moment, moment, moment, *ids]
     if connection.vendor == "postgresql":

@@ -430,9 +430,14 @@ class DatabaseBackend(QueueBackend):
         if not leases:
             return []
         now = self._adapt(timezone.now())
-        pairs = ", ".join(["(%s, %s)"] * len(leases))
-        sql = f"UPDATE {TABLE} SET {ACKED} WHERE (id, owner_token) IN (VALUES {pairs}) AND {NO_DEPENDENTS} RETURNING id"
-        params = [now, now, *(value for lease in leases for value in (lease.token, lease.owner_token))]
+        ids, pairs = ", ".join(["%s"] * len(leases)), ", ".join(["(%s, %s)"] * len(leases))
+        # "id IN (...)" leads SQLite to the rows by primary key (the row values alone scan the table).
+        sql = (
+            f"UPDATE {TABLE} SET {ACKED} WHERE id IN ({ids}) AND (id, owner_token) IN (VALUES {pairs}) "
+            f"AND {NO_DEPENDENTS} RETURNING id"
+        )
+        tokens = [lease.token for lease in leases]
+        params = [now, now, *tokens, *(value for lease in leases for value in (lease.token, lease.owner_token))]
         _, rows = self._execute(sql, params, every_row=True)
         return _lost(leases, {row[0] for row in rows})
 
