@@ -1,6 +1,8 @@
 -- Recover one expired lease. Claimed ahead (maybe never started): back to waiting as it was,
 -- not a run, marked '2' so its next claim ahead must begin; returns 2. Else a lost run
 -- (`action`): requeue it (retries left) or fail it; returns 1.
+-- A message asked to abort is neither: it is forgotten (cancelled); returns {who asked, 1 if a
+-- run was lost or 0 if it was only claimed ahead}.
 -- Acts only if the same lease is still held and still expired: a heartbeat or a settle that
 -- happened since the listing wins (returns 0).
 local id = ARGV[1]
@@ -14,6 +16,11 @@ local last_error = ARGV[7]
 local deadline = redis.call('ZSCORE', processing_key, id)
 if redis.call('HGET', owners_key, id) ~= owner or not deadline or tonumber(deadline) > now then return 0 end
 local ahead = redis.call('HGET', ahead_key, id)
+local aborted_by = redis.call('HGET', aborts_key, id)
+if aborted_by then
+  forget(id)
+  return {aborted_by, ahead and 0 or 1}
+end
 release(id)
 if ahead then
   redis.call('HSET', ahead_key, id, '2')
