@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["JobBuilder", "Jobs", "QueueWorker", "RetryPolicy", "chain", "group", "job"]
+__all__ = ["JobBuilder", "Jobs", "QueueWorker", "RetryPolicy", "chain", "current_job", "group", "job"]
 
 if TYPE_CHECKING:
     from .api import JobBuilder, Jobs, job
+    from .current import current_job
     from .flows import chain, group
     from .retry import RetryPolicy
     from .worker import QueueWorker
@@ -24,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from . import flows
 
         return getattr(flows, name)
+    if name == "current_job":
+        from .current import current_job
+
+        return current_job
     if name == "RetryPolicy":
         from .retry import RetryPolicy
 

@@ -502,9 +502,11 @@ class Jobs:
         is running (its worker stops it within a beat plus ``ABORT_GRACE`` and it ends
         ``cancelled``); ``"finished"`` when it had already ended (it is left alone).
 
-        ``requested_by`` is recorded with the cancelled attempt. Raises ``UnknownJob`` when no
-        database or backend holds the job, and ``AbortNotSupported`` when it may be on a backend
-        that cannot abort a job by its id (beanstalkd, Azure Service Bus, sync)."""
+        ``requested_by`` (1 to 150 characters, else ``ValueError``) is recorded with the
+        cancelled attempt. Raises ``UnknownJob`` when no database or backend holds the job, and
+        ``AbortNotSupported`` when it may be on a backend that cannot abort a job by its id
+        (beanstalkd, Azure Service Bus, sync). The job itself sees the abort as
+        ``context.aborted`` (``django_jobs.current_job().aborted`` in a ``@job`` function)."""
         from .operations import abort_jobs  # the models load after the app registry
 
         outcome = abort_jobs([job_id], requested_by)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .backends.base import NO_RESULT, Lease, QueueBackend
-from .exceptions import LeaseLost
+from .exceptions import AbortRequested, LeaseLost
 from .heartbeat import Heartbeat
 from .logfields import lease_fields
 from .metrics import MetricsCollector
@@ -61,10 +61,12 @@ class Batches:
         maximum: int,
         lease_seconds: float,
         settle: Callable[[Callable[[list[Lease]], list[Lease]], list[Lease]], list[Lease]],
+        cancel: Callable[[Lease, str], object],
     ) -> None:
         self.backend, self.heartbeat, self.metrics = backend, heartbeat, metrics
         self.maximum, self.lease_seconds = maximum, lease_seconds
         self.settle = settle  # runs a backend call, retrying transient errors
+        self.cancel = cancel  # settles a job held here that was asked to abort (who asked)
         self.tickets: Tickets | None = None  # the run's, while it runs
         self._ahead: deque[Lease] = deque()
         self._acks: list[Lease] = []
@@ -147,7 +149,8 @@ class Batches:
             logger.exception("could not write the acks of %d completed job(s); they will run again", len(acks))
 
     def hand_back(self) -> None:
-        """Jobs held ahead go straight back, not counted as runs, with their tickets."""
+        """Jobs held ahead go straight back, not counted as runs, with their tickets (one asked
+        to abort meanwhile is cancelled instead)."""
         with self._lock:
             leases = list(self._ahead)
             self._ahead.clear()
@@ -155,7 +158,10 @@ class Batches:
             if lease.envelope is None:
                 continue  # undecodable: the reaper settles it (nothing of it can be trusted)
             try:
-                self.backend.release(lease)
+                try:
+                    self.backend.release(lease)
+                except AbortRequested as asked:
+                    self.cancel(lease, asked.requested_by)
             except Exception:
                 logger.warning(
                     "job %s: could not hand back the job leased ahead",

@@ -40,6 +40,15 @@ class JobAborted(JobsError):
         return f"Aborted by {name} ({kind})" if name else f"Aborted by {requested_by}"
 
 
+class AbortRequested(JobsError):
+    """A backend refused to requeue a job (a retry, a deferral, a hand-back) because it was asked
+    to abort: the lease is still held, and the worker settles the job ``cancelled`` instead."""
+
+    def __init__(self, requested_by: str) -> None:
+        super().__init__(f"job was asked to abort by {requested_by}")
+        self.requested_by = requested_by
+
+
 class AbortNotSupported(JobsError):
     """The backend cannot abort a job by its id (it holds no row of a queued message)."""
 

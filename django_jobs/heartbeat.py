@@ -223,7 +223,7 @@ class Heartbeat:
                         if self._lease is lease:
                             self._next_beat = time.monotonic() + min(self.interval, RETRY_AFTER_FAILURE)
                 continue
-            if aborted_by is not None:
+            if aborted_by:
                 self._aborted(lease, aborted_by)
             return True
         return False

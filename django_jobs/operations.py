@@ -260,14 +260,29 @@ class AbortOutcome:
         return len(self.cancelled) + len(self.asked)
 
 
+# The longest ``requested_by`` (the ``Job.abort_requested`` column).
+MAX_REQUESTED_BY = 150
+
+
+def check_requested_by(requested_by: object) -> None:
+    """``ValueError`` unless ``requested_by`` names who asks in 1 to :data:`MAX_REQUESTED_BY`
+    characters (not only spaces)."""
+    if not isinstance(requested_by, str) or not requested_by.strip() or len(requested_by) > MAX_REQUESTED_BY:
+        raise ValueError(
+            f"requested_by must name who asks to abort in 1 to {MAX_REQUESTED_BY} characters, not {requested_by!r:.60}"
+        )
+
+
 def abort_jobs(ids: list[str], requested_by: str) -> AbortOutcome:
     """Abort the jobs with these ids, wherever they are. ``requested_by`` says who asked
-    (``admin:boss``, ``command``, ``api``); it is recorded with the cancelled attempt.
+    (``admin:boss``, ``command``, ``api``; see :func:`check_requested_by`); it is recorded with
+    the cancelled attempt.
 
     A pending job is cancelled at once (as :func:`cancel_jobs` does). A running one is flagged:
     its worker's heartbeat sees the flag on its next beat and stops the job, which then ends
     ``cancelled``, never retried. A finished job is left alone. A job with no ``Job`` row (queued
     or running on a broker) is looked up in each broker backend (``request_abort``)."""
+    check_requested_by(requested_by)
     outcome = AbortOutcome()
     left = list(dict.fromkeys(ids))
     for alias in job_aliases():

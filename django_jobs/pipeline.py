@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any, ParamSpec, TypeVar
@@ -33,8 +33,10 @@ from django.utils import timezone
 
 from . import conf, history, registry, signing
 from .backends.base import Hold, Lease, QueueBackend
+from .current import running_job
 from .envelope import Envelope, dumps_payload
 from .exceptions import (
+    AbortRequested,
     BadSignature,
     HandlerNotAllowed,
     InvalidPayload,
@@ -149,7 +151,9 @@ class Verdict:
 
 
 class JobContext:
-    """Passed to handlers: the envelope, the attempt number and the time left.
+    """The running job: its envelope, the attempt number and the time left. Passed to
+    ``JOBS["HANDLERS"]`` handlers; any job (a ``@job`` or ``@task`` function too) reads it with
+    :func:`django_jobs.current_job`.
 
     ``aborted`` becomes ``True`` when the job is asked to abort (its worker's heartbeat learns
     of it): a job that checks it can stop cleanly before ``ABORT_GRACE`` runs out and
@@ -229,9 +233,10 @@ class Delivery:
     keep_alive: list[Callable[[], None]] = field(default_factory=list)  # renewed with the lease
     on_success: list[Callable[[], None]] = field(default_factory=list)  # before the ack
     release: list[Callable[[], None]] = field(default_factory=list)  # after any ending
-    # Set by the heartbeat thread when the job is asked to abort: who asked.
+    # Who asked to abort the job, once its worker learned of it (the heartbeat thread, or the
+    # start check): before its run, it does not start; during it, ``limit.aborted_by`` says so.
     aborted_by: str | None = None
-    # While the handler runs: its context and time limit, which an abort reaches.
+    # From just before the run: its context and time limit, which an abort reaches.
     context: JobContext | None = None
     limit: TimeLimit | None = None
     # It holds concurrency slots, or was parked by a full limit: release_limits after any ending.
@@ -320,7 +325,7 @@ class DeliveryPipeline:
         held = self._take_guards(d)
         if held is not None:
             return held
-        if not self._still_held(d.lease):
+        if not self._still_held(d):
             return self._lost_before_start(d)
         limits = limits_for(d.env.handler, d.lease.queue)
         if limits:
@@ -388,23 +393,25 @@ class DeliveryPipeline:
         """Another delivery holds this job's key or lock: try again later, not counted as a run."""
         return Verdict(Outcome.REQUEUED, delay=self.busy_delay, count_run=False)
 
-    def _still_held(self, lease: Lease) -> bool:
+    def _still_held(self, d: Delivery) -> bool:
         """Is the lease still ours? Proven by a fenced extend when much of it has passed (the
-        guards stalled, or the process was frozen), so a reaped job never starts here."""
+        guards stalled, or the process was frozen), so a reaped job never starts here. An abort
+        that extend finds keeps the job from starting."""
+        lease = d.lease
         if self.heartbeat is not None and self.heartbeat.lost(lease):
             return False
         if lease.must_begin:  # claimed ahead after a lost claim: its start is recorded first
-            try:
-                self.backend.begin(lease, self.lease_seconds)
-            except LeaseLost:
-                return False
+            renew = self.backend.begin
+        elif (lease.expires_at - timezone.now()).total_seconds() > self.lease_seconds / 2:
             return True
-        if (lease.expires_at - timezone.now()).total_seconds() > self.lease_seconds / 2:
-            return True
+        else:
+            renew = self.backend.extend
         try:
-            self.backend.extend(lease, self.lease_seconds)
+            aborted_by = renew(lease, self.lease_seconds)
         except LeaseLost:
             return False
+        if aborted_by:
+            self._on_abort(d, aborted_by)
         return True
 
     def _run(self, d: Delivery) -> Verdict:
@@ -414,11 +421,14 @@ class DeliveryPipeline:
             self.metrics.observe("jobs_wait_seconds", _since(env.available_at), queue=queue)
         start = time.monotonic()
         deadline = start + timeout if timeout else None
-        # Set before the check: an abort the heartbeat passes on from here reaches the run.
+        # Published before the check: an abort the heartbeat passes on from here reaches the run.
         d.context = context = JobContext(env, d.attempt, deadline, d.lease)
         d.limit = limit = TimeLimit(timeout)
         if d.aborted_by is not None:  # asked before it started: it does not run
-            return self._cancelled(d, None, 0.0, count_run=False)
+            limit.end()
+            if self.heartbeat is not None:
+                self.heartbeat.disarm()
+            return self._cancelled(d, d.aborted_by, None, 0.0, count_run=False)
         parent = env.options.get("result_of")
         if parent is not None:  # a chain's step: what the previous one returned (it is stored)
             context.parent_result = self.backend.stored_result(str(parent))
@@ -432,13 +442,12 @@ class DeliveryPipeline:
             if error is None and env.options.get("keep_result"):
                 error = _unstorable(value)
         finally:
-            d.limit = None
-            if self.heartbeat is not None:
+            if self.heartbeat is not None:  # after the limit ended: an abort arms nothing now
                 self.heartbeat.disarm()
         seconds = time.monotonic() - start
         self.metrics.observe("jobs_exec_seconds", seconds, queue=queue)
-        if d.aborted_by is not None:
-            return self._cancelled(d, error, seconds)
+        if limit.aborted_by is not None:  # the abort reached the run before it ended
+            return self._cancelled(d, limit.aborted_by, error, seconds)
         if error is None:
             return Verdict(Outcome.ACKED, seconds=seconds, started_at=d.started_at, value=value, handler=d.handler)
         return self._failed(d, error, seconds)
@@ -488,41 +497,44 @@ class DeliveryPipeline:
     # -- aborting --
 
     def _on_abort(self, d: Delivery, requested_by: str) -> None:
-        """Heartbeat thread, once per delivery: the job was asked to abort. Its context says so
-        at once; ``JobAborted`` is raised in it after ``ABORT_GRACE``; and if it is still running
-        ``HARD_TIMEOUT_GRACE`` after that, it is settled cancelled and the process ends, as on a
-        hard timeout."""
+        """The job was asked to abort (the heartbeat thread, or the start check). Before its
+        run, it does not start. During it, its context says so at once, ``JobAborted`` is raised
+        in it after ``ABORT_GRACE``, and if it is still running ``HARD_TIMEOUT_GRACE`` after
+        that, it is settled cancelled and the process ends, as on a hard timeout. After its run
+        it is too late: the run stands as it ended."""
+        d.aborted_by = requested_by  # first: the start check reads it after publishing the limit
+        limit, context = d.limit, d.context
+        if limit is None or context is None:
+            return  # before the run: _run sees it and does not start the job
         grace = float(conf.get("ABORT_GRACE"))
-        d.aborted_by = requested_by
-        logger.warning(
-            "job %s: %s; stopping it",
-            d.env.id,
-            JobAborted.describe(requested_by),
-            extra=lease_fields(d.lease, d.attempt),
-        )
-        if d.context is not None:
-            d.context.aborted = True
-        limit = d.limit
-        if limit is not None:
-            limit.abort(requested_by, grace)
-            if self.heartbeat is not None:
-                self.heartbeat.arm(
-                    time.monotonic() + grace + HARD_TIMEOUT_GRACE, lambda: self.settle_aborted(d), earliest=True
-                )
 
-    def _cancelled(self, d: Delivery, exc: BaseException | None, seconds: float, *, count_run: bool = True) -> Verdict:
-        """An aborted run, however it ended: cancelled for good, whatever retries it had left."""
-        who = d.aborted_by or "unknown"
-        return Verdict(
-            Outcome.CANCELLED,
-            JobAborted.describe(who),
-            count_run=count_run,
-            seconds=seconds,
-            exception=exc,
-            started_at=d.started_at,
-            handler=d.handler,
-            requested_by=who,
-        )
+        def stop() -> None:  # while the run has not ended (under the limit's lock)
+            context.aborted = True
+            if self.heartbeat is not None:
+                kill_at = time.monotonic() + grace + HARD_TIMEOUT_GRACE
+                self.heartbeat.arm(kill_at, lambda: self.settle_aborted(d), earliest=True)
+
+        if limit.abort(requested_by, grace, stop):
+            logger.warning(
+                "job %s: %s; stopping it",
+                d.env.id,
+                JobAborted.describe(requested_by),
+                extra=lease_fields(d.lease, d.attempt),
+            )
+
+    def _cancelled(
+        self, d: Delivery, who: str, exc: BaseException | None, seconds: float, *, count_run: bool = True
+    ) -> Verdict:
+        """An aborted run, however it ended: cancelled for good, whatever retries it had left.
+        Its error says who asked, then what ended it (``exc``: ``JobAborted``, or its own error)."""
+        detail = "" if exc is None else format_error(exc)
+        verdict = abort_verdict(who, count_run=count_run, exception=exc, handler=d.handler, detail=detail)
+        return replace(verdict, seconds=seconds, started_at=d.started_at)
+
+    def cancel_unstarted(self, lease: Lease, requested_by: str) -> WorkerResult:
+        """A job held ahead of its run that was asked to abort (its hand-back was refused):
+        settle it cancelled, not run."""
+        return self.settle(lease, abort_verdict(requested_by, count_run=False))
 
     def settle_aborted(self, d: Delivery) -> None:
         """Heartbeat thread: the aborted job ignored ``JobAborted``; settle it as cancelled
@@ -533,13 +545,13 @@ class DeliveryPipeline:
             d.env.id,
             extra=lease_fields(d.lease, d.attempt),
         )
-        self.settle(d.lease, self._cancelled(d, exc, seconds=0.0), retries=())
+        self.settle(d.lease, self._cancelled(d, d.aborted_by or "unknown", exc, seconds=0.0), retries=())
         self._release_limits(d)
 
     def settle_timed_out(self, d: Delivery) -> None:
         """Heartbeat thread: the attempt ignored its soft timeout; settle it as a failed run
         (as cancelled, when it was asked to abort)."""
-        if d.aborted_by is not None:
+        if d.limit is not None and d.limit.aborted_by is not None:
             self.settle_aborted(d)
             return
         exc = JobTimeout(f"attempt exceeded its timeout by {HARD_TIMEOUT_GRACE:g}s and was killed")
@@ -569,7 +581,12 @@ class DeliveryPipeline:
             self.metrics.increment("jobs_lease_lost", queue=queue)
         else:
             try:
-                self._tell_backend(lease, verdict, on_success or (), retries)
+                try:
+                    self._tell_backend(lease, verdict, on_success or (), retries)
+                except AbortRequested as asked:  # a requeue refused: the job was asked to abort
+                    verdict = _instead_of_requeue(verdict, asked.requested_by)
+                    outcome = verdict.outcome
+                    self._tell_backend(lease, verdict, (), retries)
             except LeaseLost:
                 self.metrics.increment("jobs_lease_lost", queue=queue)
                 logger.warning(
@@ -626,7 +643,7 @@ class DeliveryPipeline:
         for pause in pauses:
             try:
                 return action(*args, **kwargs)
-            except LeaseLost:
+            except (LeaseLost, AbortRequested):
                 raise
             except Exception:
                 lease = next((a for a in args if isinstance(a, Lease)), None)
@@ -713,13 +730,16 @@ def _call(d: Delivery, context: JobContext, limit: TimeLimit) -> tuple[BaseExcep
     """Run the handler once; return what it raised, or ``None`` and what it returned. Whatever
     it raises (``SystemExit`` and ``KeyboardInterrupt`` included) is the run's failure, not the
     worker's end. A forked child of the job that unwinds out of it exits here, so it never
-    becomes a second worker."""
+    becomes a second worker. Meanwhile :func:`~django_jobs.current_job` returns ``context``."""
+    token = running_job.set(context)
     try:
         with limit:
             value = d.handler.handle(context)
     except BaseException as exc:  # noqa: BLE001 - see above
         _exit_if_forked(d, exc)
         return exc, None
+    finally:
+        running_job.reset(token)
     _exit_if_forked(d, None)
     return None, value
 
@@ -805,6 +825,30 @@ def _verdict_label(verdict: Verdict) -> str:
     if verdict.outcome is Outcome.REQUEUED and not verdict.count_run:
         return DEFERRED
     return verdict.outcome.label
+
+
+def abort_verdict(
+    who: str, *, count_run: bool, exception: BaseException | None = None, handler: Any = None, detail: str = ""
+) -> Verdict:
+    """The verdict of a job asked to abort by ``who``: cancelled for good (``detail``: what
+    else its last error says, after the first line)."""
+    error = JobAborted.describe(who) + (f"\n{detail}" if detail else "")
+    return Verdict(
+        Outcome.CANCELLED, error, count_run=count_run, exception=exception, handler=handler, requested_by=who
+    )
+
+
+def _instead_of_requeue(verdict: Verdict, who: str) -> Verdict:
+    """A requeue the backend refused because the job was asked to abort (the run failed, or was
+    deferred, before a beat saw the request): it ends cancelled instead, its error kept."""
+    instead = abort_verdict(
+        who,
+        count_run=verdict.count_run,
+        exception=verdict.exception,
+        handler=verdict.handler,
+        detail=verdict.error or "",
+    )
+    return replace(instead, seconds=verdict.seconds, started_at=verdict.started_at)
 
 
 def _rejection(exc: JobsError, counter: str) -> Verdict:

@@ -129,6 +129,34 @@ def lost_run(
     emit(job_reaped, backend, job_id=job_id, queue=queue, attempt=attempt, failed=failed)
 
 
+def aborted_lost_run(
+    backend: QueueBackend,
+    job_id: str,
+    queue: str,
+    attempt: int,
+    requested_by: str,
+    error: str,
+    *,
+    handler: str | None = None,
+) -> None:
+    """The lost run of a job asked to abort was recovered: instead of a retry, the job was
+    settled ``cancelled``. It is logged, enters the job's attempt history as a ``cancelled``
+    attempt under who asked, and ``job_reaped`` is sent (``failed``: it will not run again)."""
+    extra = log_fields(job_id, queue, handler, attempt, "cancelled")
+    first_line = error.partition("\n")[0]
+    logger.warning("job %s lost, cancelled (it was asked to abort): %s", job_id, first_line, extra=extra)
+    history.record(
+        job_id,
+        attempt,
+        AttemptOutcome.CANCELLED,
+        error=error,
+        error_class="django_jobs.exceptions.WorkerLost",
+        worker=requested_by,
+        using=backend.history_alias,
+    )
+    emit(job_reaped, backend, job_id=job_id, queue=queue, attempt=attempt, failed=True)
+
+
 # How many lost-run redeliveries one fetch settles (each waits for its backoff or fails) before
 # it returns None, so a fetch stays short however many crashed deliveries are queued.
 LOST_RUN_BATCH = 10

@@ -28,6 +28,7 @@ from .logfields import queues_fields
 from .metrics import MetricsCollector, get_collector
 from .pipeline import SETTLE_RETRY_PAUSES, DeliveryPipeline, JobContext, Outcome, WorkerResult, format_error
 from .reaper import Reaper
+from .timeouts import install_alarm_handler
 
 __all__ = ["JobContext", "Outcome", "QueueWorker", "WorkerResult", "format_error"]
 
@@ -125,6 +126,7 @@ class QueueWorker:
             maximum=self.prefetch,
             lease_seconds=self.lease_seconds,
             settle=lambda action, leases: self.pipeline.retrying(action, SETTLE_RETRY_PAUSES, leases),
+            cancel=self.pipeline.cancel_unstarted,
         )
         self.pipeline.keep_alive.append(self.batches.extend)
         # Told of each lease before its delivery (``True``) and after it (``False``): a pool's
@@ -209,6 +211,7 @@ class QueueWorker:
         elif self.backend.pipelines_ack_fetch:
             self.pipeline.ack = lambda lease: self._ack_and_lease_next(lease, limits)
         self.heartbeat.start()
+        restore_alarm = install_alarm_handler()  # an abort the heartbeat passes on can interrupt any job
         try:
             while limits.admit(self.stopping, ticket_held=bool(self.batches)):
                 if reaper is not None and time.monotonic() >= next_reap:
@@ -236,6 +239,7 @@ class QueueWorker:
                 if once:
                     break
         finally:
+            restore_alarm()
             self.pipeline.ack = self.backend.ack
             self.pipeline.on_backend_error = None
             self.batches.finish()

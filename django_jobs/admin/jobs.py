@@ -368,9 +368,9 @@ class JobAdmin(admin.ModelAdmin):
     def abort(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         """Cancel the pending jobs selected and stop the running ones (their workers end them
         ``cancelled``); finished ones are left alone. Each abort is logged."""
-        user = request.user.get_username()
+        who = f"admin:{request.user.get_username()}"[: operations.MAX_REQUESTED_BY]
         selected = {str(job.pk): job for job in queryset}
-        outcome = operations.abort_jobs(list(selected), f"admin:{user}")
+        outcome = operations.abort_jobs(list(selected), who)
         for pk in outcome.cancelled:
             self.log_change(request, selected[pk], f"Aborted: {cancel_message(selected[pk])}")
         for pk in outcome.asked:

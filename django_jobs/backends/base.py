@@ -140,7 +140,9 @@ class QueueBackend(ABC):
 
         ``count_run`` adds the delivery to ``attempts``; it is ``False`` only when the job did
         not run (its idempotency key or single-instance lock was held elsewhere, or a limit
-        deferred its start).
+        deferred its start). A backend that can abort a running job never requeues one asked to
+        abort: it raises ``AbortRequested``, the lease still held, and the worker settles it with
+        :meth:`cancel`.
         """
 
     def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
@@ -277,11 +279,12 @@ class QueueBackend(ABC):
         ones. Backends with ``supports_prefetch`` do both in one round trip."""
         return self.ack_many(leases), self.fetch_many(queue, limit)
 
-    def begin(self, lease: Lease, seconds: float) -> None:
+    def begin(self, lease: Lease, seconds: float) -> str | None:
         """A lease claimed ahead (``must_begin``) starts its run now: record that, so its loss
         counts as a run from here on, and extend it ``seconds`` from now. Fenced: a lease that
-        is no longer ours raises ``LeaseLost``."""
-        self.extend(lease, seconds)
+        is no longer ours raises ``LeaseLost``. Returns who asked to abort the job, as
+        :meth:`extend` does."""
+        return self.extend(lease, seconds)
 
     def acquire(self, lease: Lease, limits: Sequence[Limit]) -> Hold | None:
         """Take a start under every one of ``limits`` (ordered by key) for the job of ``lease``,
@@ -309,7 +312,8 @@ class QueueBackend(ABC):
     def release(self, lease: Lease) -> None:
         """Hand back a job that did not start (its worker stops, or it waited behind a long
         job): ready again at once, not counted as a run, keeping its place in its queue where the
-        backend can (the database backend does; the default queues it again, as ``nack``)."""
+        backend can (the database backend does; the default queues it again, as ``nack``). A job
+        asked to abort is not handed back: ``AbortRequested``, as from :meth:`nack`."""
         self.nack(lease, 0, count_run=False)
 
     def lose_claims(self, queue: str, owner_token: str, running: str | None) -> None:

@@ -25,7 +25,7 @@ from django.utils.dateparse import parse_datetime
 
 from .. import conf, dependencies, rows
 from ..envelope import Envelope
-from ..exceptions import InvalidPayload, LeaseLost, WorkerLost
+from ..exceptions import AbortRequested, InvalidPayload, JobAborted, LeaseLost, WorkerLost
 from ..limits import Limit
 from ..models import ClaimedAhead, Job, JobStatus, envelope_columns
 from ..retry import after_lost_run
@@ -199,19 +199,39 @@ class DatabaseBackend(QueueBackend):
             done.add(name)
         return name
 
-    def _settle(self, lease: Lease, assignments: str, params: list[Any], *, also: str = "", own: bool = False) -> None:
+    def _settle(
+        self,
+        lease: Lease,
+        assignments: str,
+        params: list[Any],
+        *,
+        also: str = "",
+        own: bool = False,
+        requeue: bool = False,
+    ) -> None:
         """One fenced UPDATE: touches the row only while this lease still owns it.
 
         The fence is the owner token: a row has one only while it is ``in_progress`` (every
         settle, the reaper and a retry clear it), so the statement tests the id and the token
         alone and PostgreSQL finds the row by its primary key, never by the status index.
-        ``also``: one more condition (an ack's ``NO_DEPENDENTS``); ``own``: see ``_execute_queue``."""
+        ``also``: one more condition (an ack's ``NO_DEPENDENTS``); ``own``: see ``_execute_queue``.
+        A ``requeue`` also needs the job not asked to abort (else ``AbortRequested``)."""
         now = timezone.now()
         where = f"id = %s AND owner_token = %s AND {also}" if also else "id = %s AND owner_token = %s"
+        if requeue:
+            where += " AND abort_requested IS NULL"
         sql = f"UPDATE {TABLE} SET {assignments}, {RELEASED}, updated_at = %s WHERE {where}"
         count, _ = self._execute_queue(sql, [*params, self._adapt(now), lease.token, lease.owner_token], own=own)
-        if count != 1:
-            raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
+        if count == 1:
+            return
+        if requeue:  # rare: a second statement tells an abort from a lost lease
+            _, row = self._execute(
+                f"SELECT abort_requested FROM {TABLE} WHERE id = %s AND owner_token = %s",
+                [lease.token, lease.owner_token],
+            )
+            if row is not None and row[0] is not None:
+                raise AbortRequested(row[0])
+        raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
 
     def _finish(self, lease: Lease, assignments: str, params: list[Any], outcome: str) -> None:
         """The transactional settle: the fenced UPDATE of a job that ends (``outcome``: its
@@ -453,9 +473,10 @@ class DatabaseBackend(QueueBackend):
         leases.sort(key=lambda lease: (-lease.raw[8], _dt(lease.raw[9]) or timezone.now(), lease.raw[0]))
         return leases
 
-    def begin(self, lease: Lease, seconds: float) -> None:
-        self._prolong(lease, seconds, "claimed_ahead = 0, ")
+    def begin(self, lease: Lease, seconds: float) -> str | None:
+        aborted_by = self._prolong(lease, seconds, "claimed_ahead = 0, ")
         lease.must_begin = False
+        return aborted_by
 
     def _claim_orm(self, queue: str, owner: str, now: datetime, expires: datetime) -> Any:
         jobs = Job.objects.using(self.alias)
@@ -509,11 +530,12 @@ class DatabaseBackend(QueueBackend):
             "status = 'pending', attempts = attempts + %s, available_at = %s, "
             "last_error = CASE WHEN %s THEN %s ELSE last_error END",
             [int(count_run), self._adapt(available), bool(error), error],
+            requeue=True,
         )
 
     def release(self, lease: Lease) -> None:
         """Pending again with its own ``available_at``: it keeps its place (FIFO)."""
-        self._settle(lease, "status = 'pending'", [])
+        self._settle(lease, "status = 'pending'", [], requeue=True)
 
     def dead_letter(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
         self._finish(
@@ -590,9 +612,14 @@ class DatabaseBackend(QueueBackend):
             "attempts",
             "leased_until",
             "claimed_ahead",
+            "abort_requested",
         )
         reaped = 0
         for job in expired.only(*fields):
+            if job.abort_requested is not None:
+                with reaping(job.pk, job.queue, fatal=(OperationalError, InterfaceError)):
+                    reaped += self._reap_aborted(job, now)
+                continue
             if job.claimed_ahead != ClaimedAhead.NO:
                 reaped += self._hand_back(job, now)
                 continue
@@ -625,6 +652,36 @@ class DatabaseBackend(QueueBackend):
                 lost_run(self, job.pk, job.queue, job.attempts + 1, error, retry_in=delay, handler=job.handler)
                 dependencies.record(resolution, self.alias)
         return reaped
+
+    def _reap_aborted(self, job: Job, now: datetime) -> int:
+        """An expired lease of a job asked to abort: it ends cancelled, never requeued. Its lost
+        run counts, unless it was only claimed ahead (it may never have started)."""
+        from ..reaper import aborted_lost_run  # the reaper imports the backends
+
+        who, counted = str(job.abort_requested), job.claimed_ahead == ClaimedAhead.NO
+        error = f"{JobAborted.describe(who)}\n{WorkerLost.describe(job.leased_until)}"
+        resolution = dependencies.Resolution()
+        with transaction.atomic(using=self.alias):  # the jobs waiting for it are decided with it
+            done: int = (
+                Job.objects.using(self.alias)
+                .filter(pk=job.pk, owner_token=job.owner_token, status=JobStatus.IN_PROGRESS)
+                .update(
+                    status=JobStatus.CANCELLED,
+                    attempts=job.attempts + int(counted),
+                    finished_at=now,
+                    owner_token=None,
+                    leased_until=None,
+                    claimed_ahead=ClaimedAhead.NO,
+                    last_error=error,
+                    updated_at=now,
+                )
+            )
+            if done:
+                dependencies.resolve(self.alias, job.pk, "cancelled", resolution)
+        if done:
+            aborted_lost_run(self, job.pk, job.queue, job.attempts + 1, who, error, handler=job.handler)
+            dependencies.record(resolution, self.alias)
+        return done
 
     def lose_claims(self, queue: str, owner_token: str, running: str | None) -> None:
         # The in-progress rows are few, and the lease index holds only them.

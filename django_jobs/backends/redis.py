@@ -31,7 +31,15 @@ from django.core.exceptions import ImproperlyConfigured
 
 from .. import conf
 from ..envelope import Envelope
-from ..exceptions import InvalidPayload, JobAborted, LeaseLost, ParentCancelled, ParentFailed, WorkerLost
+from ..exceptions import (
+    AbortRequested,
+    InvalidPayload,
+    JobAborted,
+    LeaseLost,
+    ParentCancelled,
+    ParentFailed,
+    WorkerLost,
+)
 from ..limits import Limit
 from ..retry import after_lost_run
 from . import redis_limits, require
@@ -343,7 +351,11 @@ class RedisBackend(QueueBackend):
         due = time.time() + max(delay, 0)
         again = env.next_attempt() if count_run else env
         again.available_at = _from_ms(_ms(due))
-        self._fenced("nack", lease, again.to_bytes(), _ms(due), _ms(), error)
+        reply = self._run("nack", lease.queue, lease.token, lease.owner_token, again.to_bytes(), _ms(due), _ms(), error)
+        if reply == 0:
+            raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
+        if not isinstance(reply, int):  # who asked to abort it: not requeued
+            raise AbortRequested(_text(reply))
 
     def abandon(self, lease: Lease, error: str, *, count_run: bool = True) -> None:
         """Its failed ``Job`` row is written before its dependents are resolved: a worker killed
@@ -391,16 +403,17 @@ class RedisBackend(QueueBackend):
     def extend(self, lease: Lease, seconds: float) -> str | None:
         return self._prolong(lease, seconds, begin=False)
 
-    def begin(self, lease: Lease, seconds: float) -> None:
-        self._prolong(lease, seconds, begin=True)
+    def begin(self, lease: Lease, seconds: float) -> str | None:
+        aborted_by = self._prolong(lease, seconds, begin=True)
         lease.must_begin = False
+        return aborted_by
 
     def _prolong(self, lease: Lease, seconds: float, *, begin: bool) -> str | None:
         """Push the lease's deadline; ``begin`` also ends its claim ahead (a loss counts now).
         Returns who asked to abort the job, if anyone did."""
         deadline = _ms(time.time() + seconds)
         reply = self._run("extend", lease.queue, lease.token, lease.owner_token, deadline, int(begin))
-        if not reply:
+        if reply == 0:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
         lease.expires_at = _from_ms(deadline)
         self.limits.extend(lease, deadline)
@@ -661,8 +674,13 @@ class RedisBackend(QueueBackend):
                     new_body = env.next_attempt().to_bytes()
                 done = self._run("reap", queue, job_id, owner or b"", now, action, new_body, due, error)
                 reaped += done != 0
+                if isinstance(done, list):  # asked to abort: cancelled, not requeued
+                    if env is not None:
+                        self._reaped_aborted(env, queue, _text(done[0]), bool(done[1]), error)
+                    if done[2] == HAS_DEPENDENTS:
+                        self._release([(_text(job_id), queue)])
                 # A lost run (2: claimed ahead, handed back uncounted).
-                if done in (1, REAPED_WITH_DEPENDENTS) and env is not None:
+                elif done in (1, REAPED_WITH_DEPENDENTS) and env is not None:
                     lost_run(self, env.id, queue, env.attempts + 1, error, retry_in=retry_in, handler=env.handler)
                     if action == "fail":
                         self.record_failure(env, error, env.attempts + 1, queue)
@@ -671,6 +689,15 @@ class RedisBackend(QueueBackend):
                 if done == REAPED_WITH_DEPENDENTS:
                     self._release([(_text(job_id), queue)])
         return reaped
+
+    def _reaped_aborted(self, env: Envelope, queue: str, who: str, counted: bool, lost: str) -> None:
+        """The reaper cancelled a job asked to abort: its record, as :meth:`request_abort` keeps."""
+        from ..audit import record_cancelled  # the models load after the app registry
+        from ..reaper import aborted_lost_run
+
+        error = f"{JobAborted.describe(who)}\n{lost}"
+        record_cancelled(env, error, self.name, env.attempts + int(counted), queue)
+        aborted_lost_run(self, env.id, queue, env.attempts + 1, who, error, handler=env.handler)
 
     def wait_for_work(self, queues: list[str], timeout: float) -> bool:
         """Block on the queues' notify lists, waking early for the next delayed message."""

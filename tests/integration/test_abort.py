@@ -15,16 +15,20 @@ from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission
 from django.core.management import CommandError, call_command
 from django.urls import reverse
+from django.utils import timezone
 
-from django_jobs import Jobs, operations
-from django_jobs.exceptions import AbortNotSupported
+from django_jobs import Jobs, current_job, operations, timeouts
+from django_jobs.exceptions import AbortNotSupported, AbortRequested, LeaseLost
 from django_jobs.heartbeat import Heartbeat
 from django_jobs.metrics import InMemoryMetricsCollector
 from django_jobs.models import Job, JobAttempt
-from django_jobs.pipeline import JobContext
+from django_jobs.pipeline import JobContext, abort_verdict
+from django_jobs.reaper import Reaper
+from django_jobs.signals import job_started
 from django_jobs.worker import QueueWorker
-from tests.api_support import alias, row
-from tests.testapp.jobs import scripted
+from tests.api_support import alias, row, runs
+from tests.testapp import tasks as t
+from tests.testapp.jobs import abortable_job, scripted, whoami
 
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
 
@@ -35,13 +39,17 @@ SEEN: list[bool] = []
 
 def aborts_itself(context: JobContext) -> str:
     """A ``JOBS["HANDLERS"]`` handler: asks to abort its own job, lets the heartbeat beat once
-    on this thread, and notes whether its context then says it was aborted. ``sleep`` in its
-    payload: then it sleeps that long (``JobAborted`` interrupts it)."""
+    on this thread (unless its payload says ``"beat": false``), and notes whether its context
+    then says it was aborted. ``sleep`` in its payload: then it sleeps that long (``JobAborted``
+    interrupts it); ``fail``: then it raises."""
     Jobs.abort(context.job_id)
-    WORKER["worker"].heartbeat._beat(context.lease, ())
+    if context.payload.get("beat", True):
+        WORKER["worker"].heartbeat._beat(context.lease, ())
     SEEN.append(context.aborted)
     if context.payload.get("sleep"):
         time.sleep(context.payload["sleep"])
+    if context.payload.get("fail"):
+        raise RuntimeError("boom")
     return "finished anyway"
 
 
@@ -125,17 +133,35 @@ def told_on_beat(queue_name: str) -> list[str]:
     return told_on_beat_of(queue, lease)
 
 
-def test_an_abort_outlives_a_requeue_and_a_retry_clears_it(backend):
+def test_aborting_a_job_waiting_for_its_retry_cancels_it(backend):
+    job_id = scripted.using(backend=backend, max_retries=3).dispatch(action="raise")
+    assert QueueWorker(backend).process_once().status == "requeued"
+
+    assert Jobs.abort(job_id, "ops") == "cancelled"
+
+    cancelled = row(backend, job_id)
+    assert (cancelled.status, cancelled.attempts, cancelled.last_error) == ("cancelled", 1, "Aborted by ops")
+    assert [a[:2] for a in attempts_of(alias(backend), job_id)] == [(1, "retrying"), (2, "cancelled")]
+    assert attempts_of(alias(backend), job_id)[1][2] == "ops"
+
+
+def test_a_job_asked_to_abort_is_never_requeued_and_a_retry_clears_the_request(backend):
     job_id = scripted.using(backend=backend, max_retries=3).dispatch(action="ok")
     queue = Jobs.backend(backend)
     lease = queue.fetch("default")
     assert Jobs.abort(job_id, "ops") == "aborting"
-    queue.nack(lease, 0, error="boom")  # that run failed before a beat saw the abort
 
-    assert told_on_beat(backend) == ["ops"]  # its next run is stopped at its first beat
-    Job.objects.using(alias(backend)).filter(pk=job_id).update(status="cancelled", owner_token=None)
+    # Its run failed, was deferred, or is handed back before a beat saw the abort: refused.
+    with pytest.raises(AbortRequested) as refused:
+        queue.nack(lease, 0, error="boom")
+    assert refused.value.requested_by == "ops"
+    with pytest.raises(AbortRequested):
+        queue.release(lease)
+    assert row(backend, job_id).status == "in_progress"  # the lease is still held, for the cancel
+    queue.cancel(lease, "Aborted by ops")
+    assert (row(backend, job_id).status, row(backend, job_id).attempts) == ("cancelled", 1)
+
     assert operations.retry_jobs(Job.objects.using(alias(backend)).filter(pk=job_id)).retried == 1
-
     assert row(backend, job_id).abort_requested is None
     assert told_on_beat(backend) == []
 
@@ -196,13 +222,179 @@ def test_a_job_that_ignores_the_abort_is_interrupted_by_job_aborted_after_the_gr
     self_aborting(0.05)
     job_id = Jobs.define("aborts-itself", {"sleep": 30}).max_retries(3).dispatch(backend=backend)
     WORKER["worker"] = worker = QueueWorker(backend)
+    results: list[Any] = []
+
+    worker.run(once=True, on_result=results.append)  # the loop: its alarm interrupts any job
+
+    [result] = results
+    assert result.status == "cancelled" and type(result.exception).__name__ == "JobAborted"
+    ended = row(backend, job_id)
+    assert ended.status == "cancelled"
+    assert ended.last_error.startswith(
+        "Aborted by api\nJobAborted: Aborted by api: still running after the abort grace"
+    )
+    [attempt] = JobAttempt.objects.using(alias(backend)).filter(job_id=job_id)
+    assert (attempt.outcome, attempt.error_class) == ("cancelled", "django_jobs.exceptions.JobAborted")
+
+
+def test_a_run_that_fails_after_the_abort_before_a_beat_ends_cancelled_not_retried(backend, self_aborting):
+    self_aborting(60)
+    job_id = Jobs.define("aborts-itself", {"beat": False, "fail": True}).max_retries(3).dispatch(backend=backend)
+    WORKER["worker"] = worker = QueueWorker(backend)
 
     result = worker.process_once()
 
-    assert result.status == "cancelled" and type(result.exception).__name__ == "JobAborted"
-    assert row(backend, job_id).status == "cancelled"
+    assert SEEN == [False]  # no beat told it: it failed, and its retry was refused
+    assert result.status == "cancelled"
+    assert (result.error or "").splitlines()[0] == "Aborted by api" and "RuntimeError: boom" in (result.error or "")
+    ended = row(backend, job_id)
+    assert (ended.status, ended.attempts) == ("cancelled", 1)
     [attempt] = JobAttempt.objects.using(alias(backend)).filter(job_id=job_id)
-    assert (attempt.outcome, attempt.error_class) == ("cancelled", "django_jobs.exceptions.JobAborted")
+    assert (attempt.outcome, attempt.worker_id, attempt.error_class) == ("cancelled", "api", "builtins.RuntimeError")
+    assert worker.process_once().status == "empty"  # no retry
+
+
+@pytest.mark.parametrize("check", ["extend", "begin"])
+def test_an_abort_the_start_check_finds_keeps_the_job_from_running(backend, check):
+    job_id = scripted.using(backend=backend, max_retries=3).dispatch(action="ok", key="never", db=alias(backend))
+    queue = Jobs.backend(backend)
+    lease = queue.fetch("default")
+    assert Jobs.abort(job_id, "ops") == "aborting"  # between its claim and its start
+    if check == "begin":
+        lease.must_begin = True  # an earlier claim of it ahead was lost: its start is recorded first
+    else:
+        lease.expires_at = timezone.now()  # much of its lease has passed: its start renews it first
+
+    result = QueueWorker(backend).process(lease)
+
+    assert (result.status, result.attempt, result.error) == ("cancelled", 0, "Aborted by ops")
+    assert runs("never", alias(backend)) == 0
+    ended = row(backend, job_id)
+    assert (ended.status, ended.attempts) == ("cancelled", 0)
+    assert attempts_of(alias(backend), job_id) == [(1, "cancelled", "ops", "Aborted by ops")]
+
+
+def test_an_abort_passed_on_after_the_run_ended_leaves_it_completed(backend, self_aborting, monkeypatch):
+    self_aborting(0)
+    job_id = Jobs.define("aborts-itself", {"beat": False}).max_retries(3).dispatch(backend=backend)
+    WORKER["worker"] = worker = QueueWorker(backend)
+    armed: list[object] = []
+    end_of_run = timeouts.TimeLimit.__exit__
+
+    def then_a_beat(limit: timeouts.TimeLimit, *exc_info: Any) -> None:
+        end_of_run(limit, *exc_info)
+        # The heartbeat's beat lands just after the run ended, before the worker settles it.
+        lease = worker.heartbeat._lease
+        assert lease is not None
+        worker.heartbeat._beat(lease, ())
+        armed.append(worker.heartbeat._deadline)
+
+    monkeypatch.setattr(timeouts.TimeLimit, "__exit__", then_a_beat)
+    result = worker.process_once()
+
+    assert (SEEN, armed) == ([False], [None])  # too late: nothing to stop, no kill armed
+    assert result.status == "acked"
+    assert row(backend, job_id).status == "completed"
+    assert not JobAttempt.objects.using(alias(backend)).filter(job_id=job_id, outcome="cancelled").exists()
+
+
+@pytest.mark.parametrize("claim", ["single", "ahead"])
+def test_the_reaper_cancels_a_job_asked_to_abort_whose_worker_was_lost(backend, claim):
+    job_id = scripted.using(backend=backend, max_retries=3).dispatch(action="ok")
+    queue = Jobs.backend(backend)
+    [lease] = queue.fetch_many("default", 5) if claim == "ahead" else [queue.fetch("default")]
+    assert Jobs.abort(job_id, "ops") == "aborting"
+    queue.lose_claims("default", lease.owner_token, lease.token if claim == "single" else None)
+
+    assert Reaper(queue, ["default"]).reap_once() == 1
+
+    ended, counted = row(backend, job_id), int(claim == "single")  # a claim ahead may never have run
+    assert (ended.status, ended.attempts, ended.abort_requested) == ("cancelled", counted, "ops")
+    assert ended.last_error.startswith("Aborted by ops\nWorkerLost: ")
+    [attempt] = JobAttempt.objects.using(alias(backend)).filter(job_id=job_id)
+    assert (attempt.attempt, attempt.outcome, attempt.worker_id, attempt.error_class) == (
+        1,
+        "cancelled",
+        "ops",
+        "django_jobs.exceptions.WorkerLost",
+    )
+    # The lost worker's own settle comes too late: fenced off, nothing recorded twice.
+    with pytest.raises(LeaseLost):
+        queue.cancel(lease, "Aborted by ops")
+    assert QueueWorker(backend).pipeline.settle(lease, abort_verdict("ops", count_run=True)).status == "lease-lost"
+    assert JobAttempt.objects.using(alias(backend)).filter(job_id=job_id).count() == 1
+    assert QueueWorker(backend).process_once().status == "empty"
+
+
+def test_a_job_held_ahead_that_is_asked_to_abort_is_cancelled_not_handed_back(backend):
+    job_id = scripted.using(backend=backend, max_retries=3).dispatch(action="ok", key="held", db=alias(backend))
+    worker = QueueWorker(backend)
+    [lease] = worker.backend.fetch_many("default", 5)
+    worker.batches.hold(lease)  # claimed ahead of its run, behind a long job
+    assert Jobs.abort(job_id, "ops") == "aborting"
+
+    worker.batches.hand_back()
+
+    ended = row(backend, job_id)
+    assert (ended.status, ended.attempts, ended.last_error) == ("cancelled", 0, "Aborted by ops")
+    assert attempts_of(alias(backend), job_id) == [(1, "cancelled", "ops", "Aborted by ops")]
+    assert worker.process_once().status == "empty" and runs("held", alias(backend)) == 0
+
+
+def test_who_asks_is_named_in_1_to_150_characters(backend):
+    job_id = scripted.using(backend=backend).dispatch(action="ok")
+
+    for bad in ("", "   ", "x" * 151):
+        with pytest.raises(ValueError, match="requested_by"):
+            Jobs.abort(job_id, bad)
+    _, err = command(job_id, "--by", "")
+
+    assert "CommandError: requested_by" in err
+    assert row(backend, job_id).status == "pending"
+    assert Jobs.abort(job_id, "x" * 150) == "cancelled"
+
+
+# -- current_job(): the running job's context, for @job and @task functions ----------------------
+
+
+def test_a_job_function_reads_its_context_with_current_job(backend):
+    job_id = whoami.using(backend=backend, keep_result=True).dispatch()
+
+    assert current_job() is None  # outside a job
+    assert QueueWorker(backend).process_once().status == "acked"
+
+    assert row(backend, job_id).result == {"job_id": job_id, "attempt": 1, "aborted": False}
+    assert current_job() is None  # reset after the run
+
+
+def test_a_job_function_sees_the_abort_through_current_job_and_returns(backend, settings):
+    settings.JOBS = {**settings.JOBS, "ABORT_GRACE": 60}
+    # The timeout is a safety net: were the abort not seen, JobAborted would end the job at 5 s.
+    job_id = abortable_job.using(backend=backend, timeout=5).dispatch(mode="cooperative")
+    worker = QueueWorker(backend)
+
+    def abort_as_it_starts(sender: Any, envelope: Any, context: JobContext, **kwargs: Any) -> None:
+        Jobs.abort(envelope.id, "ops")
+        worker.heartbeat._beat(context.lease, ())
+
+    job_started.connect(abort_as_it_starts, weak=False)
+    try:
+        result = worker.process_once()
+    finally:
+        job_started.disconnect(abort_as_it_starts)
+
+    assert (result.status, result.error, result.exception) == ("cancelled", "Aborted by ops", None)
+    assert row(backend, job_id).status == "cancelled"
+
+
+@pytest.mark.parametrize("task", [t.whoami, t.async_whoami], ids=["def", "async def"])
+def test_a_task_reads_its_job_with_current_job(backend, task):
+    result = task.using(backend=backend).enqueue()
+
+    assert QueueWorker(backend).process_once().status == "acked"
+
+    result.refresh()
+    assert result.return_value == result.id
 
 
 # -- Redis --------------------------------------------------------------------------------------
@@ -246,21 +438,76 @@ def test_redis_flags_a_running_job_for_its_beat_and_the_settle_records_it(redis_
     assert (cancelled.status, cancelled.attempts, cancelled.last_error) == ("cancelled", 1, "Aborted by ops")
 
 
-def test_redis_keeps_an_abort_through_a_requeue_and_a_new_dispatch_clears_it(
+def test_redis_takes_a_job_waiting_for_its_retry_out(redis_up, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True):
+        job_id = scripted.using(backend="redis", max_retries=3).dispatch(action="raise")
+    assert QueueWorker("redis").process_once().status == "requeued"
+
+    assert Jobs.abort(job_id, "ops") == "cancelled"
+
+    cancelled = Job.objects.get(pk=job_id)
+    assert (cancelled.status, cancelled.attempts, cancelled.last_error) == ("cancelled", 1, "Aborted by ops")
+    assert [a[:3] for a in attempts_of("default", job_id)][1:] == [(2, "cancelled", "ops")]
+    assert Jobs.backend("redis").peek(job_id) is None
+
+
+def test_redis_never_requeues_a_job_asked_to_abort_and_a_new_dispatch_clears_it(
     redis_up, django_capture_on_commit_callbacks
 ):
     job_id = redis_job(django_capture_on_commit_callbacks, max_retries=3)
     queue = Jobs.backend("redis")
     lease = queue.fetch("default")
     assert Jobs.abort(job_id, "ops") == "aborting"
-    queue.nack(lease, 0, error="boom")
 
-    lease = queue.fetch("default")
-    assert told_on_beat_of(queue, lease) == ["ops"]
-    queue.dead_letter(lease, "Aborted by ops")
+    with pytest.raises(AbortRequested) as refused:
+        queue.nack(lease, 0, error="boom")
+    assert refused.value.requested_by == "ops"
+    with pytest.raises(AbortRequested):
+        queue.release(lease)
+    assert queue.extend(lease, 30) == "ops"  # still held, for the cancel
+    queue.cancel(lease, "Aborted by ops")
     queue.enqueue(lease.envelope)  # a retry dispatches it again
 
     assert told_on_beat_of(queue, queue.fetch("default")) == []
+
+
+def test_redis_a_run_that_fails_after_the_abort_ends_cancelled(
+    redis_up, django_capture_on_commit_callbacks, self_aborting
+):
+    self_aborting(60)
+    with django_capture_on_commit_callbacks(execute=True):
+        job_id = Jobs.define("aborts-itself", {"beat": False, "fail": True}).max_retries(3).dispatch(backend="redis")
+    WORKER["worker"] = worker = QueueWorker("redis")
+
+    assert worker.process_once().status == "cancelled"
+
+    cancelled = Job.objects.get(pk=job_id)
+    assert (cancelled.status, cancelled.attempts, cancelled.backend) == ("cancelled", 1, "redis")
+    assert attempts_of("default", job_id)[0][:3] == (1, "cancelled", "api")
+    assert worker.process_once().status == "empty"
+
+
+@pytest.mark.parametrize("claim", ["single", "ahead"])
+def test_redis_the_reaper_cancels_a_job_asked_to_abort_whose_worker_was_lost(
+    redis_up, django_capture_on_commit_callbacks, claim
+):
+    job_id = redis_job(django_capture_on_commit_callbacks, max_retries=3)
+    queue = Jobs.backend("redis")
+    [lease] = queue.fetch_many("default", 5) if claim == "ahead" else [queue.fetch("default")]
+    assert Jobs.abort(job_id, "ops") == "aborting"
+    queue.lose_claims("default", lease.owner_token, lease.token if claim == "single" else None)
+
+    assert Reaper(queue, ["default"]).reap_once() == 1
+
+    assert queue.peek(job_id) is None
+    assert redis_up.hget(queue.keys("default").aborts, job_id) is None
+    cancelled = Job.objects.get(pk=job_id)
+    assert (cancelled.status, cancelled.attempts) == ("cancelled", int(claim == "single"))
+    assert cancelled.last_error.startswith("Aborted by ops\nWorkerLost: ")
+    assert attempts_of("default", job_id)[0][:3] == (1, "cancelled", "ops")
+    with pytest.raises(LeaseLost):
+        queue.cancel(lease, "Aborted by ops")
+    assert QueueWorker("redis").process_once().status == "empty"
 
 
 # -- the admin ----------------------------------------------------------------------------------
@@ -315,3 +562,14 @@ def test_a_view_only_staff_user_has_no_abort_button_and_is_refused(client, djang
     assert button not in client.get(reverse("admin:django_jobs_job_change", args=[job_id])).content.decode()
     assert client.post(button).status_code == 403
     assert Job.objects.get(pk=job_id).abort_requested is None
+
+
+def test_an_admin_user_with_the_longest_name_is_recorded_cut_to_fit(client, django_user_model):
+    name = "u" * 150
+    client.force_login(django_user_model.objects.create_superuser(name, password="x"))
+    job_id = scripted.dispatch(action="ok")
+    assert Jobs.backend("default").fetch("default") is not None
+
+    assert client.post(reverse("admin:django_jobs_job_abort", args=[job_id])).status_code == 302
+
+    assert Job.objects.get(pk=job_id).abort_requested == f"admin:{name}"[:150]

@@ -1,10 +1,18 @@
-"""Aborting a running job in a real ``manage.py jobs_work`` on PostgreSQL: the worker's heartbeat
-learns of the abort on its next beat and the job ends ``cancelled``, never retried, however it
-is stopped: it checks ``context.aborted`` and returns; ``JobAborted`` interrupts its sleep after
-``ABORT_GRACE``; or, stuck where no signal reaches it, its process is ended and replaced.
+"""Aborting a running job in a real ``manage.py jobs_work``, on PostgreSQL (the database backend)
+and on Redis: the worker's heartbeat learns of the abort on its next beat and the job ends
+``cancelled``, after one run, never retried, its attempt recorded under who asked, however it
+is stopped:
 
-The handler is ``tests.testapp.jobs.abortable``; each run records a ``SideEffect`` row with the
-pid of the process that ran it, so a test knows when the job runs and that it ran once.
+- a cooperative job sees the abort and returns: a ``JOBS["HANDLERS"]`` handler through its
+  ``context.aborted``, a ``@job`` function through ``django_jobs.current_job().aborted``;
+- a job that never looks (it sleeps in a loop) is interrupted by ``JobAborted`` when
+  ``ABORT_GRACE`` runs out after that beat; its worker process carries on with the next job;
+- a job no signal reaches is settled and its process ended and replaced (PostgreSQL only).
+
+The jobs are ``tests.testapp.jobs.abortable`` (the handler) and ``abortable_job`` (the
+``@job``); each run records a ``SideEffect`` row with the pid of the process that ran it, so a
+test knows when the job runs, that it ran once, and whether its process lives on. Beats come
+every 0.3 s (``LEASE_TIMEOUT`` 0.9 s).
 """
 
 from __future__ import annotations
@@ -15,7 +23,8 @@ import pytest
 
 from django_jobs import Jobs
 from django_jobs.models import Job, JobAttempt
-from tests.procs import pid_alive, processes, wait_until, worker_env
+from tests.procs import Proc, Procs, pid_alive, processes, wait_until, worker_env
+from tests.testapp.jobs import abortable_job, scripted
 from tests.testapp.models import SideEffect
 
 PG = "postgres"
@@ -24,24 +33,48 @@ pytestmark = [
     pytest.mark.django_db(databases=["default", PG], transaction=True),
     pytest.mark.usefixtures("postgres_up"),
 ]
-# A beat every 0.3 s, so the worker learns of an abort quickly.
-LEASE = 0.9
+LEASE = 0.9  # a beat every 0.3 s: the worker learns of an abort quickly
+ALARM = "still running after the abort grace"  # what JobAborted says when the grace ran out
 
 
-def start_abortable(procs, mode: str, grace: float) -> tuple[str, str]:
-    """A worker on the pg backend, and an ``abortable`` job (max_retries=3) it is running."""
+@pytest.fixture(params=["pg", "redis"])
+def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "redis":
+        request.getfixturevalue("redis_up")
+    return str(request.param)
+
+
+def records(backend: str) -> str:
+    """Where the job's row and attempt history are: the pg backend's own database; a Redis job's
+    record (kept once it is cancelled) and history in the router's database."""
+    return PG if backend == "pg" else "default"
+
+
+def start(procs: Procs, backend: str, kind: str, mode: str, grace: float) -> tuple[Proc, str, str]:
+    """A worker on ``backend`` and an ``abortable`` job (max_retries=3) it is running: the
+    handler (``kind`` "handler") or the ``@job`` function ("@job")."""
     key = f"abort-{mode}-{uuid.uuid4().hex[:12]}"
-    procs.worker("--backend", "pg", env=worker_env(LEASE, JOBS_TEST_ABORT_GRACE=str(grace)))
-    job_id = Jobs.define("abortable", {"mode": mode, "key": key, "db": PG}).max_retries(3).dispatch(backend="pg")
+    worker = procs.worker("--backend", backend, env=worker_env(LEASE, JOBS_TEST_ABORT_GRACE=str(grace)))
+    if kind == "handler":
+        builder = Jobs.define("abortable", {"mode": mode, "key": key, "db": PG}).max_retries(3)
+        job_id = builder.dispatch(backend=backend)
+    else:
+        job_id = abortable_job.using(backend=backend, max_retries=3).dispatch(mode=mode, key=key, db=PG)
     wait_until(lambda: SideEffect.objects.using(PG).filter(key=key).exists(), 30, f"the {mode} job to start")
-    return job_id, key
+    return worker, job_id, key
 
 
-def ended_cancelled(job_id: str, key: str, error_class: str) -> None:
-    """The job ended cancelled with who asked, after one run, and was never run again."""
-    row = Job.objects.using(PG).get(pk=job_id)
-    assert (row.status, row.attempts, row.last_error) == ("cancelled", 1, "Aborted by boss (admin)")
-    [attempt] = JobAttempt.objects.using(PG).filter(job_id=job_id)
+def cancelled(backend: str, job_id: str) -> bool:
+    return Job.objects.using(records(backend)).filter(pk=job_id, status="cancelled").exists()
+
+
+def ended_cancelled(backend: str, job_id: str, key: str, error_class: str) -> JobAttempt:
+    """The job ended cancelled with who asked, after one run, and was never run again; its
+    attempt (returned) is recorded under who asked."""
+    row = Job.objects.using(records(backend)).get(pk=job_id)
+    assert (row.status, row.attempts, row.backend) == ("cancelled", 1, backend)
+    assert row.last_error.splitlines()[0] == "Aborted by boss (admin)"
+    [attempt] = JobAttempt.objects.using(records(backend)).filter(job_id=job_id)
     assert (attempt.attempt, attempt.outcome, attempt.worker_id, attempt.error_class) == (
         1,
         "cancelled",
@@ -49,38 +82,47 @@ def ended_cancelled(job_id: str, key: str, error_class: str) -> None:
         error_class,
     )
     assert SideEffect.objects.using(PG).filter(key=key).count() == 1
+    return attempt
 
 
-def cancelled(job_id: str) -> bool:
-    return Job.objects.using(PG).filter(pk=job_id, status="cancelled").exists()
-
-
-def test_a_cooperative_job_sees_the_abort_and_returns_well_within_the_grace():
+@pytest.mark.parametrize("kind", ["handler", "@job"])
+def test_a_cooperative_job_sees_the_abort_and_returns_well_within_the_grace(backend, kind):
     with processes() as procs:
-        # A long grace: the job can only have ended this soon by returning on its own.
-        job_id, key = start_abortable(procs, "cooperative", grace=60)
+        # A grace far beyond the wait: the job can only have ended by returning on its own.
+        worker, job_id, key = start(procs, backend, kind, "cooperative", grace=120)
         assert Jobs.abort(job_id, "admin:boss") == "aborting"
-        wait_until(lambda: cancelled(job_id), 30, "the cooperative job to end cancelled", interval=0.1)
-    ended_cancelled(job_id, key, error_class="")
+        wait_until(lambda: cancelled(backend, job_id), 30, "the cooperative job to end cancelled", interval=0.1)
+        assert worker.job_lines("cancelled"), worker.output()
+    ended_cancelled(backend, job_id, key, error_class="")
 
 
-def test_a_job_that_ignores_the_abort_is_interrupted_by_job_aborted_after_the_grace():
+def test_a_job_that_never_looks_is_interrupted_by_job_aborted_when_the_grace_runs_out(backend):
+    grace = 1.0
     with processes() as procs:
-        job_id, key = start_abortable(procs, "sleep", grace=1)
+        worker, job_id, key = start(procs, backend, "@job", "sleep", grace=grace)
         assert Jobs.abort(job_id, "admin:boss") == "aborting"
-        wait_until(lambda: cancelled(job_id), 30, "the sleeping job to end cancelled", interval=0.1)
-    ended_cancelled(job_id, key, error_class="django_jobs.exceptions.JobAborted")
+        # Within a beat (0.3 s) plus the grace; the wait allows a loaded machine far more.
+        wait_until(lambda: cancelled(backend, job_id), 10 * (grace + LEASE / 3), "the job to end cancelled")
+        # Its own process stopped it (the alarm, within the grace): the hard limit, 2 s later,
+        # would have ended that process.
+        [run] = SideEffect.objects.using(PG).filter(key=key)
+        assert pid_alive(run.pid) and not any("died with status" in line for line in worker.err), worker.output()
+        after = f"after-{key}"
+        scripted.using(backend=backend).dispatch(action="ok", key=after, db=PG)
+        wait_until(lambda: SideEffect.objects.using(PG).filter(key=after, pid=run.pid).exists(), 30, "the next job")
+    attempt = ended_cancelled(backend, job_id, key, error_class="django_jobs.exceptions.JobAborted")
+    assert ALARM in attempt.error
 
 
 @pytest.mark.slow
 def test_a_job_no_signal_reaches_is_settled_and_its_process_replaced():
     with processes() as procs:
-        job_id, key = start_abortable(procs, "masked", grace=1)
+        worker, job_id, key = start(procs, "pg", "handler", "masked", grace=1)
         assert Jobs.abort(job_id, "admin:boss") == "aborting"
-        wait_until(lambda: cancelled(job_id), 30, "the stuck job to end cancelled", interval=0.1)
+        wait_until(lambda: cancelled("pg", job_id), 30, "the stuck job to end cancelled", interval=0.1)
         [run] = SideEffect.objects.using(PG).filter(key=key)
         wait_until(lambda: not pid_alive(run.pid), 30, "the stuck worker process to end")
-        worker = procs.started[0]
         wait_until(lambda: any("died with status 75" in line for line in worker.err), 30, "a replacement")
         assert worker.alive(), worker.output()
-    ended_cancelled(job_id, key, error_class="django_jobs.exceptions.JobAborted")
+    attempt = ended_cancelled("pg", job_id, key, error_class="django_jobs.exceptions.JobAborted")
+    assert "was killed" in attempt.error

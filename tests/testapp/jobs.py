@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 
-from django_jobs import job
+from django_jobs import current_job, job
 from django_jobs.pipeline import JobContext
 
 from .models import SideEffect
@@ -73,23 +73,45 @@ def timed(path: str, seconds: float = 0.0) -> None:
 
 
 def abortable(context: JobContext) -> str:
-    """A ``JOBS["HANDLERS"]`` handler (``abortable``) that runs until it is aborted, as its
-    payload's ``mode`` says: ``cooperative`` checks ``context.aborted`` every 0.1 s and returns;
-    ``sleep`` sleeps in one long ``time.sleep`` (only ``JobAborted`` interrupts it); ``masked``
-    blocks the signals first (only the end of its process stops it). It records a run under
-    the payload's ``key`` in ``db`` when it starts."""
+    """A ``JOBS["HANDLERS"]`` handler (``abortable``) that runs until it is aborted: see
+    :func:`_until_aborted`; its payload holds ``mode``, ``key`` and ``db``."""
     payload = context.payload
-    _record(payload.get("key"), payload.get("db", "default"))
-    mode = payload.get("mode", "cooperative")
+    return _until_aborted(context, payload.get("mode", "cooperative"), payload.get("key"), payload.get("db", "default"))
+
+
+@job(queue="default")
+def abortable_job(mode: str = "cooperative", key: str | None = None, db: str = "default") -> str:
+    """The ``@job`` twin of :func:`abortable`: it reads its context with ``current_job()``."""
+    context = current_job()
+    assert context is not None, "run by a worker"
+    return _until_aborted(context, mode, key, db)
+
+
+def _until_aborted(context: JobContext, mode: str, key: str | None, db: str) -> str:
+    """Runs until the job is aborted, as ``mode`` says: ``cooperative`` checks
+    ``context.aborted`` every 0.1 s and returns; ``sleep`` sleeps in a loop of short sleeps and
+    never looks (only ``JobAborted`` interrupts it); ``masked`` blocks the signals, then sleeps in
+    one call that never returns to the interpreter (only the end of its process stops it). It records a run under ``key`` in ``db`` when it starts."""
+    _record(key, db)
+    deadline = time.monotonic() + 120  # a safety net: the tests abort it long before
     if mode == "cooperative":
-        deadline = time.monotonic() + 120  # a safety net: the test aborts it long before
         while not context.aborted and time.monotonic() < deadline:
             time.sleep(0.1)
         return "stopped"
-    if mode == "masked":
+    if mode == "masked":  # one call that never returns to the interpreter, like a stuck C call
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM})
-    time.sleep(3600)
+        time.sleep(3600)
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
     return mode
+
+
+@job(queue="default")
+def whoami() -> dict[str, object]:
+    """What ``current_job()`` says while it runs (kept as its result)."""
+    context = current_job()
+    assert context is not None
+    return {"job_id": context.job_id, "attempt": context.attempt, "aborted": context.aborted}
 
 
 class _Unprintable(Exception):

@@ -22,6 +22,8 @@ except ImportError:  # Django 5.2: the backport
     from django_tasks import task
     from django_tasks.signals import task_finished, task_started
 
+from django_jobs import current_job
+
 from .models import SideEffect
 
 
@@ -85,6 +87,23 @@ def hold(key: str, db: str = "default", limit: float = 60.0) -> str:
             raise TimeoutError(f"{key}: never released")
         time.sleep(0.05)
     return "released"
+
+
+@task
+def whoami() -> str:
+    """The id of the job running it, as ``django_jobs.current_job()`` says."""
+    context = current_job()
+    assert context is not None
+    return context.job_id
+
+
+@task
+async def async_whoami() -> str:
+    """The same from a coroutine (the context variable reaches it)."""
+    await asyncio.sleep(0)
+    context = current_job()
+    assert context is not None
+    return context.job_id
 
 
 def _note(kind: str, task_result: Any) -> None:

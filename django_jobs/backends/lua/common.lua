@@ -53,7 +53,7 @@ local function requeue(id, due, now)
   end
 end
 
--- The message is done: forget it. (A requeue keeps an abort asked of it: its next run stops.)
+-- The message is done: forget it. (Nothing requeues a message asked to abort.)
 local function forget(id)
   release(id)
   redis.call('HDEL', bodies_key, id)

@@ -2,6 +2,8 @@
 -- not a run, marked '2' so its next claim ahead must begin; returns 2. Else a lost run
 -- (`action`): requeue it (retries left) or fail it; returns 1, or 3 when it failed and messages
 -- depend on it (its outcome is in the outbox: see settled).
+-- A message asked to abort is neither: it is forgotten (cancelled); returns {who asked, 1 if a
+-- run was lost or 0 if it was only claimed ahead, settled's flag}.
 -- Acts only if the same lease is still held and still expired: a heartbeat or a settle that
 -- happened since the listing wins (returns 0).
 local id = ARGV[1]
@@ -15,6 +17,11 @@ local last_error = ARGV[7]
 local deadline = redis.call('ZSCORE', processing_key, id)
 if redis.call('HGET', owners_key, id) ~= owner or not deadline or tonumber(deadline) > now then return 0 end
 local ahead = redis.call('HGET', ahead_key, id)
+local aborted_by = redis.call('HGET', aborts_key, id)
+if aborted_by then
+  forget(id)
+  return {aborted_by, ahead and 0 or 1, settled(id, 'cancelled')}
+end
 release(id)
 if ahead then
   redis.call('HSET', ahead_key, id, '2')

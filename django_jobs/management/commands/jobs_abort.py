@@ -15,7 +15,10 @@ class Command(BaseCommand):
         parser.add_argument("--by", default="command", help="who asks, recorded with the attempt (default: command)")
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        outcome = operations.abort_jobs(opts["ids"], opts["by"])
+        try:
+            outcome = operations.abort_jobs(opts["ids"], opts["by"])
+        except ValueError as exc:  # a --by that names nobody, or too long a name
+            raise CommandError(str(exc)) from exc
         for error in outcome.errors:
             self.stderr.write(error)
         for job_id in outcome.unknown:
