@@ -200,6 +200,17 @@ def test_an_aborted_running_parent_cancels_its_dependents(case, backend):
     assert_settled_by_parent(backend, child, "cancelled", f"ParentCancelled: parent {parent} was cancelled")
 
 
+def test_a_parent_aborted_while_its_worker_died_cancels_its_dependents_when_reaped(case, backend):
+    parent = send(case, "parent")
+    child = send(case, "child", depends_on=[parent])
+    lease = fetch(backend)
+    assert Jobs.abort(parent, requested_by="boss") == "aborting"
+    case.expire(backend, lease)  # its worker died before it saw the request
+    assert backend.reap_expired() == 1
+    assert stored(backend, parent).status == "cancelled"
+    assert_settled_by_parent(backend, child, "cancelled", f"ParentCancelled: parent {parent} was cancelled")
+
+
 def test_a_waiting_job_can_be_cancelled_and_its_own_dependents_follow(case, backend):
     parent = send(case, "parent")
     child = send(case, "child", depends_on=[parent])
