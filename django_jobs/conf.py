@@ -112,7 +112,9 @@ def describe(value: Any) -> str:
     text = repr(value)
     if len(text) > 60:
         text = text[:57] + "..."
-    return f"{text} (a {type(value).__name__})"
+    from .envelope import a_type  # the envelope module reads settings through this one
+
+    return f"{text} ({a_type(value)})"
 
 
 def handlers() -> dict[str, str | None]:

@@ -16,7 +16,6 @@ snapshot per statement; MySQL/MariaDB read them with a locking read; SQLite has 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -24,17 +23,15 @@ from typing import TYPE_CHECKING, Any
 from django.db import connections, transaction
 from django.utils import timezone
 
-from . import history, signing
+from . import signing
 from .envelope import Envelope
 from .exceptions import BadSignature, InvalidPayload, UnknownJob
-from .flows import FLOW_WORKER, EdgesVerdict, edges_verdict
-from .logfields import log_fields
+from .flows import EdgesVerdict, edges_verdict, record_settled
 from .models import ENVELOPE_COLUMNS, FINISHED_STATUSES, Dependency, Job, JobStatus
 
 if TYPE_CHECKING:
     from .backends.database import DatabaseBackend
 
-logger = logging.getLogger("django_jobs.dependencies")
 FINISHED: tuple[str, ...] = tuple(str(status) for status in FINISHED_STATUSES)
 
 
@@ -341,18 +338,7 @@ def record(resolution: Resolution, alias: str) -> None:
     """After the transaction that settled them: each settled child's history entry (the run it
     will not have, by the ``flow`` worker) and its log record."""
     for settled in resolution.settled:
-        verdict = settled.verdict
-        history.record(
-            settled.job_id,
-            settled.attempt,
-            verdict.state,
-            error=verdict.reason,
-            error_class=verdict.error_class,
-            worker=FLOW_WORKER,
-            using=alias,
-        )
-        extra = log_fields(settled.job_id, settled.queue, settled.handler, settled.attempt, verdict.state)
-        logger.warning("job %s %s without running: %s", settled.job_id, verdict.state, verdict.reason, extra=extra)
+        record_settled(settled.job_id, settled.queue, settled.handler, settled.attempt, settled.verdict, alias)
 
 
 # -- the safety net --

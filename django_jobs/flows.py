@@ -8,14 +8,16 @@ backend holds each child until its parents finished (see :func:`edges_verdict` f
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Literal, NamedTuple
 
-from . import conf
+from . import conf, history
 from .api import JobBuilder
 from .backends import get_backend
 from .envelope import Envelope
 from .exceptions import ParentCancelled, ParentFailed
+from .logfields import log_fields
 
 __all__ = ["Chain", "EdgesVerdict", "Group", "chain", "edges_verdict", "group"]
 
@@ -37,6 +39,27 @@ class EdgesVerdict(NamedTuple):
 
 # The ``worker`` of the history entry of a job settled by its parents, not by a run.
 FLOW_WORKER = "flow"
+# Every backend logs a job its parents settled under the same name.
+logger = logging.getLogger("django_jobs.dependencies")
+
+
+def record_settled(
+    job_id: str, queue: str, handler: str, attempt: int, verdict: EdgesVerdict, using: str | None = None
+) -> None:
+    """A job its parents settled without running it (after the change is stored): its history
+    entry, the run it will not have (attempt ``attempt``, by the ``flow`` worker), and one
+    ``WARNING`` record with the job's log fields."""
+    history.record(
+        job_id,
+        attempt,
+        verdict.state,
+        error=verdict.reason,
+        error_class=verdict.error_class,
+        worker=FLOW_WORKER,
+        using=using,
+    )
+    extra = log_fields(job_id, queue, handler, attempt, verdict.state)
+    logger.warning("job %s %s without running: %s", job_id, verdict.state, verdict.reason, extra=extra)
 
 
 def edges_verdict(edges: Iterable[tuple[str, str | None]], run_if_parent_fails: bool) -> EdgesVerdict:

@@ -233,7 +233,10 @@ class QueueBackend(ABC):
     def stats(self, queue: str) -> dict[str, int]:
         """Counts for ``jobs_stats``: pending, delayed, in_progress, failed; and ``waiting`` (held
         until their parents finish) on backends with ``supports_dependencies``."""
-        return {"pending": self.size(queue), "delayed": 0, "in_progress": 0, "failed": 0}
+        counts = {"pending": self.size(queue), "delayed": 0, "in_progress": 0, "failed": 0}
+        if self.supports_dependencies:  # (the sync backend: a dependent runs inside its dispatch)
+            counts["waiting"] = 0
+        return counts
 
     def oldest_ready_age(self, queue: str) -> float | None:
         """Seconds the oldest job of ``queue`` that is ready to run has waited since it became

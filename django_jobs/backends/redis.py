@@ -575,8 +575,7 @@ class RedisBackend(QueueBackend):
         here when ``settled`` is ``None``. Returns how many dependents moved on (became ready,
         failed or cancelled): a replayed edge moves none."""
         from ..audit import record_cancelled  # the models load after the app registry
-        from ..flows import FLOW_WORKER, EdgesVerdict
-        from ..history import record
+        from ..flows import EdgesVerdict, record_settled
 
         if not edges:
             return 0
@@ -598,15 +597,7 @@ class RedisBackend(QueueBackend):
                     self.record_failure(envelope, verdict.reason, envelope.attempts, child_queue)
                 else:
                     record_cancelled(envelope, verdict.reason, self.name, envelope.attempts, child_queue)
-                record(
-                    child,
-                    envelope.attempts + 1,
-                    verdict.state,
-                    error=verdict.reason,
-                    error_class=verdict.error_class,
-                    worker=FLOW_WORKER,
-                    using=self.history_alias,
-                )
+                record_settled(child, child_queue, envelope.handler, envelope.attempts + 1, verdict, self.history_alias)
             if reply[2] == HAS_DEPENDENTS:
                 cascade.append((child, child_queue))
         if settled is None:

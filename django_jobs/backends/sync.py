@@ -77,8 +77,17 @@ class SyncBackend(QueueBackend):
 
         self.last_results.append(result)
         del self.last_results[:-100]
-        ended = {Outcome.ACKED: "completed", Outcome.SKIPPED_IDEMPOTENT: "completed", Outcome.CANCELLED: "cancelled"}
-        self.outcomes[job_id] = ended.get(result.status, "failed")
+        # How it ended, as its dependents see it; a delivery that neither ran nor ended (its lock
+        # was busy) is not remembered, and counts as completed like a job never seen.
+        ended = {
+            Outcome.ACKED: "completed",
+            Outcome.SKIPPED_IDEMPOTENT: "completed",
+            Outcome.CANCELLED: "cancelled",
+            Outcome.DEAD_LETTERED: "failed",
+            Outcome.REJECTED: "failed",
+        }
+        if result.status in ended:
+            self.outcomes[job_id] = ended[result.status]
         for old in list(self.outcomes)[:-REMEMBERED]:
             del self.outcomes[old]
         if self.options.get("RAISE"):
@@ -87,9 +96,8 @@ class SyncBackend(QueueBackend):
     def _settled_by_parents(self, env: Envelope) -> bool:
         """Record ``env`` failed or cancelled without running it when a parent's outcome says
         so; ``False`` when it is to run."""
-        from .. import history
         from ..audit import record_cancelled, record_failure
-        from ..flows import FLOW_WORKER, edges_verdict
+        from ..flows import edges_verdict, record_settled
         from ..pipeline import Outcome, WorkerResult
 
         edges = [(parent, self.outcomes.get(parent, "completed")) for parent in env.options["parents"]]
@@ -98,15 +106,7 @@ class SyncBackend(QueueBackend):
             return False
         record = record_cancelled if verdict.state == "cancelled" else record_failure
         record(env, verdict.reason, self.name, env.attempts, env.queue)
-        history.record(
-            env.id,
-            env.attempts + 1,
-            verdict.state,
-            error=verdict.reason,
-            error_class=verdict.error_class,
-            worker=FLOW_WORKER,
-            using=self.history_alias,
-        )
+        record_settled(env.id, env.queue, env.handler, env.attempts + 1, verdict, self.history_alias)
         status = Outcome.CANCELLED if verdict.state == "cancelled" else Outcome.DEAD_LETTERED
         self._remember(env.id, WorkerResult(status, env.id, env.attempts, verdict.reason, env.queue, env.handler))
         return True

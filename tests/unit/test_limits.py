@@ -106,12 +106,12 @@ def test_every_bad_entry_of_the_setting_is_reported():
         }
     )
     assert found == [
-        "LIMITS['queue:a']: concurrency must be an int >= 1 or None, not 0 (a int)",
+        "LIMITS['queue:a']: concurrency must be an int >= 1 or None, not 0 (an int)",
         "LIMITS['handler:b']: bad rate '1/w': write starts/period, e.g. '10/s', '100/m', '1000/h', '5/10s' (units s, m, h, d)",
         "LIMITS['queue:c'] has unknown key(s) 'burst': use 'concurrency' and 'rate'",
         "LIMITS['queue:d'] is empty: give a 'concurrency', a 'rate', or both",
         "bad limit key 'e': write 'queue:<queue name>' or 'handler:<handler key>'",
-        "LIMITS['queue:f'] must be a dict such as {'concurrency': 5, 'rate': '10/s'}, not 5 (a int)",
+        "LIMITS['queue:f'] must be a dict such as {'concurrency': 5, 'rate': '10/s'}, not 5 (an int)",
     ]
     assert limits.problems([]) == [
         "LIMITS must be a dict of limit key -> {'concurrency': ..., 'rate': ...}, not [] (a list)"
