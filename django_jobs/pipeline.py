@@ -298,7 +298,8 @@ class DeliveryPipeline:
                 self.heartbeat.clear(lease)
             for release in delivery.release:
                 _quietly(release, "release a guard")
-            self._release_limits(delivery)
+            if delivery.limited:
+                self._release_limits(delivery)
 
     def _admit(self, lease: Lease) -> tuple[Delivery | None, Verdict]:
         """Verify before trusting any field, including the queue the message claims."""
