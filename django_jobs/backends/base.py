@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
@@ -381,6 +381,32 @@ class QueueBackend(ABC):
             push()
         else:
             transaction.on_commit(push, using=alias)
+
+
+class Limiter(Protocol):
+    """Where a backend keeps its limits' state (``backends/db_limits.py``, ``redis_limits.py``)."""
+
+    def acquire(self, lease: Lease, limits: Sequence[Limit]) -> Hold | None: ...
+
+    def release(self, lease: Lease) -> None: ...
+
+    def usage(self, limit: Limit) -> LimitUsage: ...
+
+
+class LimitedBackend(QueueBackend):
+    """A backend whose :class:`Limiter` (``self.limits``, set by its ``__init__``) enforces limits."""
+
+    supports_limits = True
+    limits: Limiter
+
+    def acquire(self, lease: Lease, limits: Sequence[Limit]) -> Hold | None:
+        return self.limits.acquire(lease, limits)
+
+    def release_limits(self, lease: Lease) -> None:
+        self.limits.release(lease)
+
+    def limit_usage(self, limit: Limit) -> LimitUsage | None:
+        return self.limits.usage(limit)
 
 
 def _dependency_backends() -> str:

@@ -13,7 +13,6 @@ import hashlib
 import json
 import logging
 import secrets
-from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 from weakref import WeakKeyDictionary
@@ -26,10 +25,9 @@ from django.utils.dateparse import parse_datetime
 from .. import conf, dependencies, rows
 from ..envelope import Envelope
 from ..exceptions import AbortRequested, InvalidPayload, JobAborted, LeaseLost, WorkerLost
-from ..limits import Limit
 from ..models import ClaimedAhead, Job, JobStatus, envelope_columns
 from ..retry import after_lost_run
-from .base import NO_RESULT, Hold, Lease, LimitUsage, QueueBackend
+from .base import NO_RESULT, Lease, LimitedBackend
 from .db_limits import DatabaseLimits
 
 TABLE = Job._meta.db_table
@@ -112,14 +110,13 @@ def _new_lease() -> tuple[datetime, str, datetime]:
     return now, secrets.token_hex(16), now + timedelta(seconds=conf.get("LEASE_TIMEOUT"))
 
 
-class DatabaseBackend(QueueBackend):
+class DatabaseBackend(LimitedBackend):
     """Jobs as rows of ``django_jobs_job`` in the database ``OPTIONS["DATABASE"]``."""
 
     supports_priority = True
     supports_dependencies = True
     transactional = True
     audit_failures = False  # a failed job keeps its own row
-    supports_limits = True
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
@@ -712,15 +709,6 @@ class DatabaseBackend(QueueBackend):
 
     def resolve_dependents(self) -> int:
         return dependencies.sweep(self.alias)
-
-    def acquire(self, lease: Lease, limits: Sequence[Limit]) -> Hold | None:
-        return self.limits.acquire(lease, limits)
-
-    def release_limits(self, lease: Lease) -> None:
-        self.limits.release(lease)
-
-    def limit_usage(self, limit: Limit) -> LimitUsage | None:
-        return self.limits.usage(limit)
 
     def wait_for_work(self, queues: list[str], timeout: float) -> bool:
         """PostgreSQL: block until a job is inserted (``NOTIFY django_jobs``, sent by a trigger

@@ -40,10 +40,9 @@ from ..exceptions import (
     ParentFailed,
     WorkerLost,
 )
-from ..limits import Limit
 from ..retry import after_lost_run
 from . import redis_limits, require
-from .base import NO_RESULT, AbortRequest, Hold, Lease, LimitUsage, LiveJob, QueueBackend, decode_lease_body
+from .base import NO_RESULT, AbortRequest, Lease, LimitedBackend, LiveJob, decode_lease_body
 
 redis = require("redis", "redis")
 logger = logging.getLogger("django_jobs.backends.redis")
@@ -132,15 +131,16 @@ def _from_ms(ms: float) -> datetime:
     return datetime.fromtimestamp(ms / 1000, tz=UTC)
 
 
-class RedisBackend(QueueBackend):
+class RedisBackend(LimitedBackend):
     """Options: ``URL`` (``redis://...``) or ``CACHE`` (a django-redis cache alias whose pool is
     reused), ``PREFIX`` (default ``django_jobs``)."""
+
+    limits: redis_limits.RedisLimits
 
     supports_priority = True
     pipelines_ack_fetch = True
     supports_prefetch = True
     supports_dependencies = True
-    supports_limits = True
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
@@ -418,17 +418,6 @@ class RedisBackend(QueueBackend):
         lease.expires_at = _from_ms(deadline)
         self.limits.extend(lease, deadline)
         return None if isinstance(reply, int) else _text(reply)
-
-    # -- limits (redis_limits.py) --
-
-    def acquire(self, lease: Lease, limits: Sequence[Limit]) -> Hold | None:
-        return self.limits.acquire(lease, limits)
-
-    def release_limits(self, lease: Lease) -> None:
-        self.limits.release(lease)
-
-    def limit_usage(self, limit: Limit) -> LimitUsage | None:
-        return self.limits.usage(limit)
 
     def wake(self, queue: str, job_id: str) -> int:
         """A job parked on a limit: ready now if it waits delayed in ``queue`` (1); 2 if it is
