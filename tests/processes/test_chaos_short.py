@@ -38,9 +38,6 @@ from tests.conftest import require_service
 from tests.procs import REPO_ROOT
 from tests.servers import postgres_bindir
 
-# The battery exercises the backends, not Django: the Django 5.2 entry of scripts/test skips it.
-pytestmark = pytest.mark.stress
-
 SCRIPT = REPO_ROOT / "bench" / "chaos_battery.py"
 
 
