@@ -34,42 +34,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CALLGRIND_JOBS = 1000
+DATABASE = "bench_dependencies"
 
 
 # -- edges: chains against the same jobs without edges --
-
-
-def configure(db: str, workdir: str) -> None:
-    import django
-    from django.conf import settings
-
-    if db == "postgres":
-        database = {
-            "ENGINE": "django.db.backends.postgresql",
-            "NAME": "bench_dependencies",
-            "HOST": "127.0.0.1",
-            "USER": "postgres",
-            "CONN_MAX_AGE": None,
-        }
-    else:
-        database = {"ENGINE": "django.db.backends.sqlite3", "NAME": os.path.join(workdir, "deps.sqlite3")}
-    settings.configure(
-        SECRET_KEY="bench-only-not-a-secret-0123456789abcdefghijklmnopqrstuvwxyz",
-        USE_TZ=True,
-        INSTALLED_APPS=["django_jobs"],
-        DATABASES={"default": database},
-        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
-        JOBS={"IMPORTS": ["bench.history_cost_jobs"]},
-    )
-    django.setup()
-
-
-def recreate_postgres() -> None:
-    import psycopg
-
-    with psycopg.connect("host=127.0.0.1 user=postgres dbname=postgres", autocommit=True) as conn:
-        conn.execute("DROP DATABASE IF EXISTS bench_dependencies")
-        conn.execute("CREATE DATABASE bench_dependencies")
 
 
 def measure(kind: str, jobs: int, length: int) -> dict[str, float]:
@@ -111,10 +79,12 @@ def measure(kind: str, jobs: int, length: int) -> dict[str, float]:
 
 
 def edges(args: argparse.Namespace) -> None:
+    from bench.history_cost import configure, recreate_postgres
+
     with tempfile.TemporaryDirectory() as workdir:
         if args.db == "postgres":
-            recreate_postgres()
-        configure(args.db, workdir)
+            recreate_postgres(DATABASE)
+        configure(args.db, workdir, DATABASE)
         from django.core.management import call_command
 
         call_command("migrate", verbosity=0)

@@ -27,37 +27,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("BENCH_SYSTEM", "jobs")
 
 
-def configure(db: str, workdir: str) -> None:
+def configure(db: str, workdir: str, name: str = "bench_history", **jobs: object) -> None:
+    """Django for a benchmark: PostgreSQL database ``name`` or SQLite ``<workdir>/<name>.sqlite3``;
+    ``jobs``: more ``JOBS`` settings."""
     import django
     from django.conf import settings
 
     if db == "postgres":
         database = {
             "ENGINE": "django.db.backends.postgresql",
-            "NAME": "bench_history",
+            "NAME": name,
             "HOST": "127.0.0.1",
             "USER": "postgres",
             "CONN_MAX_AGE": None,
         }
     else:
-        database = {"ENGINE": "django.db.backends.sqlite3", "NAME": os.path.join(workdir, "history.sqlite3")}
+        database = {"ENGINE": "django.db.backends.sqlite3", "NAME": os.path.join(workdir, f"{name}.sqlite3")}
     settings.configure(
         SECRET_KEY="bench-only-not-a-secret-0123456789abcdefghijklmnopqrstuvwxyz",
         USE_TZ=True,
         INSTALLED_APPS=["django_jobs"],
         DATABASES={"default": database},
         DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
-        JOBS={"IMPORTS": ["bench.history_cost_jobs"], "RETRY_BACKOFF_STRATEGY": "none"},
+        JOBS={"IMPORTS": ["bench.history_cost_jobs"], **jobs},
     )
     django.setup()
 
 
-def recreate_postgres() -> None:
+def recreate_postgres(name: str = "bench_history") -> None:
     import psycopg
 
     with psycopg.connect("host=127.0.0.1 user=postgres dbname=postgres", autocommit=True) as conn:
-        conn.execute("DROP DATABASE IF EXISTS bench_history")
-        conn.execute("CREATE DATABASE bench_history")
+        conn.execute(f"DROP DATABASE IF EXISTS {name}")
+        conn.execute(f"CREATE DATABASE {name}")
 
 
 def drain(kind: str, jobs: int) -> tuple[float, float]:
@@ -102,7 +104,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         if args.db == "postgres":
             recreate_postgres()
-        configure(args.db, workdir)
+        configure(args.db, workdir, RETRY_BACKOFF_STRATEGY="none")
         from django.core.management import call_command
 
         call_command("migrate", verbosity=0)

@@ -117,6 +117,14 @@ BACKEND_PARAMS = [
 ]
 
 
+def ready_case(request: pytest.FixtureRequest) -> BackendCase:
+    """The ``BackendCase`` a parametrized fixture was given, its services' fixtures requested."""
+    found: BackendCase = request.param
+    for name in found.fixtures:
+        request.getfixturevalue(name)
+    return found
+
+
 @contextmanager
 def backend_of(case: BackendCase) -> Iterator[QueueBackend]:
     """The backend instance configured as ``case.name`` (with the case's own ``config`` added

@@ -100,6 +100,20 @@ def redis_up():
     client.close()
 
 
+@pytest.fixture
+def redis_backend(redis_up):
+    """The configured ``redis`` backend; this session's keys are deleted after the test."""
+    from django_jobs.backends import get_backend
+    from django_jobs.backends.redis import RedisBackend
+
+    instance = get_backend("redis")
+    assert isinstance(instance, RedisBackend)
+    yield instance
+    left = list(redis_up.scan_iter(match=f"{instance.prefix}:*", count=1000))
+    if left:
+        redis_up.delete(*left)
+
+
 def _beanstalk_reachable(host: str, port: int) -> bool:
     import socket
 

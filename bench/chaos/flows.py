@@ -57,7 +57,7 @@ from django_jobs.api import JobBuilder
 
 from .flowcheck import Spec, check
 from .probe import QUEUES, effects_by_job, retrying, runs_by_job, sql
-from .scenarios import Context, Event, freeze_in_run, log, spread, worker_health, worker_log_counts
+from .scenarios import Context, Event, kill_one, log, spread, worker_health, worker_log_counts
 from .workers import Fleet, Incarnation, group_pids
 
 STEPS = 5
@@ -177,14 +177,7 @@ def flows(ctx: Context) -> dict[str, Any]:
                 ticks += 1
                 candidates = [inc for inc in fleet.live() if not inc.terminated_by_driver and inc.children()]
                 if candidates:
-                    target = ctx.rng.choice(candidates)
-                    mid_run = sum(1 for e in events if e.kind == "kill") % 2 == 0
-                    if mid_run:
-                        freeze_in_run(fleet, target, 1.0)
-                    pids, t = fleet.kill(target)
-                    events.append(Event("kill", t, t, pids, target.slot, "mid-run" if mid_run else "blind"))
-                    fleet.start(target.slot, wait=False)
-                    candidates.remove(target)
+                    kill_one(ctx, fleet, candidates, events)
                 if candidates and ticks % 2 == 0 and not stopping:
                     target = ctx.rng.choice(candidates)
                     target.terminated_by_driver = True

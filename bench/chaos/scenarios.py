@@ -211,6 +211,21 @@ def freeze_in_run(fleet: Fleet, inc: Incarnation, timeout: float) -> bool:
     return False
 
 
+def kill_one(ctx: Context, fleet: Fleet, candidates: list[Incarnation], events: list[Event]) -> None:
+    """SIGKILL one of ``candidates`` (taken out of the list) and restart it at once, as a
+    supervisor would. Every other kill waits (up to 1 s) for the target to be inside a run, so a
+    job in hand is lost for sure; the others land wherever the worker is (often claiming or
+    settling, with jobs of a few ms)."""
+    target = ctx.rng.choice(candidates)
+    mid_run = sum(1 for e in events if e.kind == "kill") % 2 == 0
+    if mid_run:
+        freeze_in_run(fleet, target, 1.0)
+    pids, t = fleet.kill(target)
+    events.append(Event("kill", t, t, pids, target.slot, "mid-run" if mid_run else "blind"))
+    fleet.start(target.slot, wait=False)
+    candidates.remove(target)
+
+
 def crash(ctx: Context) -> dict[str, Any]:
     n = ctx.jobs or (300 if ctx.short else 5000)
     ms = ctx.job_ms if ctx.job_ms is not None else (50 if ctx.short else 5)
@@ -284,17 +299,7 @@ def _drain(ctx: Context, n: int, ms: float, *, chaos: bool, restart: bool = Fals
                 # SIGSTOP another one past its lease unless one is still frozen.
                 candidates = [inc for inc in fleet.live() if inc.slot not in stopped and inc.children()]
                 if candidates:
-                    target = ctx.rng.choice(candidates)
-                    # Every other kill waits (up to 1 s) for the target to be inside a run, so
-                    # a job in hand is lost for sure; the others land wherever the worker is
-                    # (often claiming or settling, with jobs of a few ms).
-                    mid_run = sum(1 for e in events if e.kind == "kill") % 2 == 0
-                    if mid_run:
-                        freeze_in_run(fleet, target, 1.0)
-                    pids, t = fleet.kill(target)
-                    events.append(Event("kill", t, t, pids, target.slot, "mid-run" if mid_run else "blind"))
-                    fleet.start(target.slot, wait=False)  # the driver's supervisor loop
-                    candidates.remove(target)
+                    kill_one(ctx, fleet, candidates, events)
                 if candidates and not stopped:
                     target = ctx.rng.choice(candidates)
                     pids, t = fleet.signal_group(target, signal.SIGSTOP)

@@ -203,7 +203,7 @@ def test_scripted_payload_round_trips_through_the_worker(backend):
 
 
 # SQLite on Django 5.2 allows 999 query parameters, so Django itself splits a bulk_create of more
-# than 999 // (the job table's columns) rows, 38 now; PostgreSQL has no such limit.
+# than 999 // (the job table's columns) rows, 39 now; PostgreSQL has no such limit.
 @pytest.mark.parametrize("backend, count", [("default", 30), ("pg", 300)])
 def test_bulk_inserts_many_rows_with_one_insert(backend, count, request):
     if backend == "pg":

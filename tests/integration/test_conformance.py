@@ -39,6 +39,7 @@ from tests.backend_params import (
     BackendCase,
     backend_of,
     holds_messages,
+    ready_case,
     require_hook,
     require_queue,
 )
@@ -51,10 +52,7 @@ from tests.testapp.models import SideEffect
 @pytest.fixture(params=BACKEND_PARAMS)
 def backend_case(request: pytest.FixtureRequest) -> BackendCase:
     """The parametrized entry; ``queue_backend`` builds the backend it names."""
-    case: BackendCase = request.param
-    for name in case.fixtures:
-        request.getfixturevalue(name)
-    return case
+    return ready_case(request)
 
 
 @pytest.fixture

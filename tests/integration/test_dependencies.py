@@ -22,7 +22,7 @@ from django_jobs.history import attempts_of
 from django_jobs.models import Dependency, Job
 from django_jobs.reaper import Reaper
 from django_jobs.worker import QueueWorker
-from tests.backend_params import ALL_DATABASES, BACKEND_PARAMS, DB, BackendCase, backend_of
+from tests.backend_params import ALL_DATABASES, BACKEND_PARAMS, DB, BackendCase, backend_of, ready_case
 from tests.testapp.jobs import flow_step
 from tests.testapp.models import SideEffect
 
@@ -36,10 +36,7 @@ FLOW_PARAMS = [
 
 @pytest.fixture(params=FLOW_PARAMS)
 def case(request: pytest.FixtureRequest) -> BackendCase:
-    found: BackendCase = request.param
-    for name in found.fixtures:
-        request.getfixturevalue(name)
-    return found
+    return ready_case(request)
 
 
 @pytest.fixture
@@ -52,10 +49,7 @@ def backend(case: BackendCase, monkeypatch: pytest.MonkeyPatch) -> Iterator[Queu
 
 @pytest.fixture(params=DATABASE_PARAMS)
 def db_case(request: pytest.FixtureRequest) -> BackendCase:
-    found: BackendCase = request.param
-    for name in found.fixtures:
-        request.getfixturevalue(name)
-    return found
+    return ready_case(request)
 
 
 @pytest.fixture

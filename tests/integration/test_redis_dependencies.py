@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,13 +29,8 @@ pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.m
 
 
 @pytest.fixture
-def backend(redis_up: Any) -> Iterator[RedisBackend]:
-    instance = Jobs.backend("redis")
-    assert isinstance(instance, RedisBackend)
-    yield instance
-    left = list(redis_up.scan_iter(match=f"{instance.prefix}:*", count=1000))
-    if left:
-        redis_up.delete(*left)
+def backend(redis_backend: RedisBackend) -> RedisBackend:
+    return redis_backend
 
 
 def job(backend: RedisBackend, *parents: str, queue: str = "default", **options: Any) -> Envelope:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,7 +18,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from django_jobs import conf, dashboard, limits
-from django_jobs.backends import get_backend
 from django_jobs.backends.base import Hold, Lease, LimitUsage
 from django_jobs.backends.redis import RedisBackend
 from django_jobs.backends.redis_limits import LimitKeys
@@ -33,13 +31,8 @@ QUEUE_KEY = "queue:default"
 
 
 @pytest.fixture
-def backend(redis_up: Any) -> Iterator[RedisBackend]:
-    instance = get_backend("redis")
-    assert isinstance(instance, RedisBackend)
-    yield instance
-    left = list(redis_up.scan_iter(match=f"{instance.prefix}:*", count=1000))
-    if left:
-        redis_up.delete(*left)
+def backend(redis_backend: RedisBackend) -> RedisBackend:
+    return redis_backend
 
 
 class Clock:

@@ -9,7 +9,6 @@ which the ``redis_up`` fixture clears before each test.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -17,7 +16,6 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from django_jobs.backends import get_backend
 from django_jobs.backends.base import Lease
 from django_jobs.backends.redis import QueueKeys, RedisBackend
 from django_jobs.envelope import Envelope
@@ -32,13 +30,8 @@ STALE = "0" * 32  # an owner token no claim ever hands out
 
 
 @pytest.fixture
-def backend(redis_up: Any) -> Iterator[RedisBackend]:
-    instance = get_backend("redis")
-    assert isinstance(instance, RedisBackend)
-    yield instance
-    left = list(redis_up.scan_iter(match=f"{instance.prefix}:*", count=1000))
-    if left:
-        redis_up.delete(*left)
+def backend(redis_backend: RedisBackend) -> RedisBackend:
+    return redis_backend
 
 
 def keys(backend: RedisBackend, queue: str = "default") -> QueueKeys:

@@ -40,7 +40,7 @@ from django_jobs.signals import (
 )
 from django_jobs.worker import QueueWorker
 from tests.api_support import GiveUpHandler, jobs_settings
-from tests.backend_params import BACKEND_PARAMS, BackendCase, require_hook
+from tests.backend_params import BACKEND_PARAMS, BackendCase, ready_case, require_hook
 from tests.testapp.jobs import noop, scripted
 from tests.testapp.models import SideEffect
 
@@ -274,10 +274,7 @@ WORKER_CASES = [p for p in BACKEND_PARAMS if p.id in ("database-sqlite", "databa
 
 @pytest.fixture(params=WORKER_CASES)
 def case(request: pytest.FixtureRequest) -> BackendCase:
-    found: BackendCase = request.param
-    for name in found.fixtures:
-        request.getfixturevalue(name)
-    return found
+    return ready_case(request)
 
 
 @pytest.fixture
