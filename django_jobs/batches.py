@@ -6,7 +6,8 @@ successes together with its next claim. How many it claims follows the jobs: abo
 ``BATCH_SECONDS`` of work by the recent jobs' durations, at most ``PREFETCH``, so short jobs are
 claimed many at a time and long ones one at a time (the next ones stay free for other workers).
 
-The heartbeat thread watches each batch: it writes the waiting acks every ``BATCH_SECONDS``, and
+The heartbeat thread watches each batch: every ``BATCH_SECONDS`` it writes the waiting acks and
+the start of the job now running (so that from then on a loss of its lease counts as a run), and
 once a batch has run ``HAND_BACK_AFTER`` seconds (a long job in it) it hands the jobs still
 waiting in it back, uncounted, so that other workers run them.
 """
@@ -20,6 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+from django.utils import timezone
+
 from .backends.base import NO_RESULT, Lease, QueueBackend
 from .exceptions import AbortRequested, LeaseLost
 from .heartbeat import Heartbeat
@@ -29,7 +32,8 @@ from .metrics import MetricsCollector
 logger = logging.getLogger("django_jobs.worker")
 
 # A batch holds about this much work, and a success waits about this long for its ack to be
-# written (a crash of the worker in that window runs the job again).
+# written, a start for its record (a crash of the worker in that window runs the job again; one
+# frozen in that window after a start runs it again uncounted).
 BATCH_SECONDS = 0.05
 # A batch still running after this long holds a long job: the jobs waiting behind it go back.
 HAND_BACK_AFTER = 1.0
@@ -70,6 +74,8 @@ class Batches:
         self.tickets: Tickets | None = None  # the run's, while it runs
         self._ahead: deque[Lease] = deque()
         self._acks: list[Lease] = []
+        self._begun: list[Lease] = []  # started, claimed ahead, their starts not written yet
+        self._watching = False  # a ``_watch`` is scheduled on the heartbeat thread
         self._lock = threading.Lock()
         self._claimed_at = 0.0
         self._job_seconds = BATCH_SECONDS / 10  # so the first batch holds 10 jobs
@@ -114,17 +120,36 @@ class Batches:
         self.tickets.give_back(extra - max(len(claimed) - 1, 0))
         with self._lock:
             self._ahead.extend(claimed)
-        if claimed:
-            self._claimed_at = time.monotonic()
-            self.heartbeat.after(self._claimed_at + BATCH_SECONDS, self._watch)
+            if claimed:
+                self._claimed_at = time.monotonic()
+                self._watch_later()
+
+    def started(self, lease: Lease) -> None:
+        """The pipeline calls the handler of ``lease`` now: if it was claimed ahead, its start
+        is written with the next acks, within ``BATCH_SECONDS``."""
+        if lease.ahead and not lease.must_begin:  # must_begin: begun before the start already
+            with self._lock:
+                self._begun.append(lease)
+                if not self._watching:
+                    self._watch_later()
+
+    def ended(self, lease: Lease) -> None:
+        """The delivery of ``lease`` is over: its settle (or ack, waiting here) ends the claim."""
+        if self._begun:
+            with self._lock:
+                self._begun = [other for other in self._begun if other is not lease]
 
     def timed(self, seconds: float) -> None:
         """One job took ``seconds``: the size of the next batches follows."""
         self._job_seconds += SMOOTHING * (seconds - self._job_seconds)
 
     def ack_later(self, lease: Lease) -> None:
-        """The pipeline's ack: written with the next claim or by the heartbeat thread."""
+        """The pipeline's ack: written with the next claim or by the heartbeat thread; at once
+        for a lease past half its time (its worker was frozen, perhaps past it), so that a
+        lost one is said to be lost, not completed."""
         if lease.result is not NO_RESULT:  # its value is written with its own ack
+            return self.backend.ack(lease)
+        if (lease.expires_at - timezone.now()).total_seconds() < self.lease_seconds / 2:
             return self.backend.ack(lease)
         with self._lock:
             self._acks.append(lease)
@@ -132,19 +157,24 @@ class Batches:
     def finish(self) -> None:
         """The run ends: write the waiting acks and hand back every job held ahead."""
         self.heartbeat.cancel()
+        with self._lock:
+            self._watching = False
         self.flush()
         self.hand_back()
 
     # -- either thread --
 
     def flush(self) -> None:
-        """Write the waiting acks now; a backend error is retried a few times, then the jobs
-        are left to the reaper (they will run again). Never raises."""
-        acks = self._take_acks()
-        if not acks:
+        """Write the waiting acks and starts now; a backend error is retried a few times, then
+        the jobs are left to the reaper (they will run again). Never raises."""
+        with self._lock:
+            acks, self._acks = self._acks, []
+            acked = {id(lease) for lease in acks}  # an ack ends the claim too: once per row
+            begun, self._begun = [lease for lease in self._begun if id(lease) not in acked], []
+        if not acks and not begun:
             return
         try:
-            self._count_lost(self.settle(self.backend.ack_many, acks))
+            self._count_lost(self.settle(lambda leases: self.backend.ack_many(leases, begun), acks))
         except Exception:
             logger.exception("could not write the acks of %d completed job(s); they will run again", len(acks))
 
@@ -162,6 +192,12 @@ class Batches:
                     self.backend.release(lease)
                 except AbortRequested as asked:
                     self.cancel(lease, asked.requested_by)
+            except LeaseLost:
+                logger.info(
+                    "job %s: its claim ahead was lost (reaped) before it started; not run here",
+                    lease.token,
+                    extra=lease_fields(lease, outcome="lost"),
+                )
             except Exception:
                 logger.warning(
                     "job %s: could not hand back the job leased ahead",
@@ -191,8 +227,15 @@ class Batches:
         self.flush()
         if self._ahead and time.monotonic() - self._claimed_at >= HAND_BACK_AFTER:
             self.hand_back()
-        if self._ahead or self._acks:
-            self.heartbeat.after(time.monotonic() + BATCH_SECONDS, self._watch)
+        with self._lock:
+            self._watching = False
+            if self._ahead or self._acks or self._begun:
+                self._watch_later()
+
+    def _watch_later(self) -> None:
+        """Under the lock: ``_watch`` in ``BATCH_SECONDS``."""
+        self._watching = True
+        self.heartbeat.after(time.monotonic() + BATCH_SECONDS, self._watch)
 
     # -- helpers --
 

@@ -270,6 +270,8 @@ class DeliveryPipeline:
         self.on_backend_error: Callable[[], None] | None = None
         # Renewed on every beat of every delivery (the run loop's jobs claimed ahead).
         self.keep_alive: list[Callable[[], None]] = []
+        # Told of a lease just before its handler is called (the run loop records the start).
+        self.on_start: Callable[[Lease], None] | None = None
 
     # -- the pipeline --
 
@@ -285,13 +287,10 @@ class DeliveryPipeline:
         try:
             try:
                 verdict = self._guarded_run(delivery)
-            except Exception as exc:  # the worker's own code or a guard's cache failed: a failed run
-                logger.exception(
-                    "job %s: error in the worker around the job; settling it as a failed run",
-                    delivery.env.id,
-                    extra=lease_fields(lease, delivery.attempt),
+            except Exception as exc:  # noqa: BLE001 - logged by _not_started or _broken
+                verdict = (
+                    self._not_started(delivery, exc) if delivery.started_at is None else self._broken(delivery, exc)
                 )
-                verdict = self._failed(delivery, exc, seconds=0.0)
             return self.settle(lease, verdict, on_success=delivery.on_success)
         finally:
             if self.heartbeat is not None:
@@ -334,6 +333,31 @@ class DeliveryPipeline:
             if held is not None:
                 return held
         return self._run(d)
+
+    def _not_started(self, d: Delivery, exc: Exception) -> Verdict:
+        """An error before the handler was called (the lease check, a guard's cache, the limits,
+        the parent's result: the backend, most often): no run happened, so none is counted. The
+        job goes back after the busy delay, on a fresh connection."""
+        self.metrics.increment("jobs_backend_errors", queue=d.lease.queue)
+        logger.error(
+            "job %s: error before it started; handing it back, not counted as a run",
+            d.env.id,
+            exc_info=exc,
+            extra=lease_fields(d.lease, d.attempt, DEFERRED),
+        )
+        self.backend.reset_connection()
+        if self.on_backend_error is not None:
+            self.on_backend_error()
+        return Verdict(Outcome.REQUEUED, format_error(exc), delay=self.busy_delay, count_run=False, exception=exc)
+
+    def _broken(self, d: Delivery, exc: Exception) -> Verdict:
+        """An error in the worker's own code after the handler was called: a failed run."""
+        logger.exception(
+            "job %s: error in the worker around the job; settling it as a failed run",
+            d.env.id,
+            extra=lease_fields(d.lease, d.attempt),
+        )
+        return self._failed(d, exc, seconds=0.0)
 
     def _lost_before_start(self, d: Delivery) -> Verdict:
         logger.warning(
@@ -436,6 +460,8 @@ class DeliveryPipeline:
         if deadline is not None and self.heartbeat is not None:
             # An abort's own deadline may be armed already: the earlier one stands.
             self.heartbeat.arm(deadline + HARD_TIMEOUT_GRACE, lambda: self.settle_timed_out(d), earliest=True)
+        if self.on_start is not None:
+            self.on_start(d.lease)
         d.started_at = timezone.now()
         emit(job_started, d.handler, envelope=env, attempt=d.attempt, context=context)
         try:
@@ -650,6 +676,7 @@ class DeliveryPipeline:
                 lease = next((a for a in args if isinstance(a, Lease)), None)
                 extra = lease_fields(lease) if lease is not None else log_fields(None, None)
                 logger.warning("settle failed; retrying in %gs", pause, exc_info=True, extra=extra)
+                self.metrics.increment("jobs_backend_errors", queue=lease.queue if lease is not None else "*")
                 self.backend.reset_connection()
                 if self.on_backend_error is not None:
                     self.on_backend_error()
@@ -800,7 +827,8 @@ def _log_result(lease: Lease, result: WorkerResult) -> None:
     elif result.status is Outcome.CANCELLED:
         logger.log(level, "job %s (%s) cancelled: %s", env.id, name, first_line, extra=extra)
     elif label == DEFERRED:
-        logger.log(level, "job %s (%s) deferred: %s", env.id, name, deferral(result.hold), extra=extra)
+        why = f"error before it started: {first_line}" if result.error else deferral(result.hold)
+        logger.log(level, "job %s (%s) deferred: %s", env.id, name, why, extra=extra)
     elif result.status is Outcome.REQUEUED:
         logger.log(
             level, "job %s (%s) retrying in %gs after run %s: %s",

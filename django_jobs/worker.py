@@ -162,6 +162,7 @@ class QueueWorker:
             result = self.pipeline.process(lease)
         finally:
             self.current = None
+            self.batches.ended(lease)
             if in_hand is not None:
                 in_hand(lease, False)
         key = (lease.queue, result.status)
@@ -208,6 +209,7 @@ class QueueWorker:
         self.batches.tickets = limits
         if self.batching:
             self.pipeline.ack = self.batches.ack_later
+            self.pipeline.on_start = self.batches.started
         elif self.backend.pipelines_ack_fetch:
             self.pipeline.ack = lambda lease: self._ack_and_lease_next(lease, limits)
         self.heartbeat.start()
@@ -241,6 +243,7 @@ class QueueWorker:
         finally:
             restore_alarm()
             self.pipeline.ack = self.backend.ack
+            self.pipeline.on_start = None
             self.pipeline.on_backend_error = None
             self.batches.finish()
             self.batches.tickets = None

@@ -11,6 +11,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
+from .. import conf
 from ..envelope import Envelope
 from ..exceptions import AbortNotSupported, DependenciesNotSupported, InvalidPayload, LeaseLost, LimitsNotSupported
 from ..limits import Limit, describe, limits_for
@@ -267,14 +268,22 @@ class QueueBackend(ABC):
         otherwise at the time.)"""
         return self.supports_prefetch
 
-    def ack_many(self, leases: list[Lease]) -> list[Lease]:
-        """Ack successful runs, fenced one by one; return the leases found lost (not acked)."""
+    def ack_many(self, leases: list[Lease], begun: Sequence[Lease] = ()) -> list[Lease]:
+        """Ack successful runs, fenced one by one; return the leases found lost (not acked).
+
+        ``begun``: leases claimed ahead whose runs have started meanwhile (none of them in
+        ``leases``); their starts are recorded as :meth:`begin` records one, so a loss of one
+        counts as a run from now on. Backends with ``supports_prefetch`` write both in one
+        round trip. A lease of ``begun`` found lost is left alone."""
         lost = []
         for lease in leases:
             try:
                 self.ack(lease)
             except LeaseLost:
                 lost.append(lease)
+        for lease in begun:
+            with contextlib.suppress(LeaseLost):
+                self.begin(lease, float(conf.get("LEASE_TIMEOUT")))
         return lost
 
     def ack_many_and_fetch(self, leases: list[Lease], queue: str, limit: int) -> tuple[list[Lease], list[Lease]]:

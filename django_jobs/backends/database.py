@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import secrets
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 from weakref import WeakKeyDictionary
@@ -37,6 +38,12 @@ UNKNOWN_PREPARED_STATEMENT = "26000"  # SQLSTATE invalid_sql_statement_name
 NO_WAIT = 0.001  # seconds: a listener's shortest wait for notifications
 logger = logging.getLogger("django_jobs.backends.database")
 _RESULT = Job._meta.get_field("result")
+# Runs claimed ahead that have started: their loss counts as a run from now on. Parameters:
+# ids, owner tokens.
+BEGIN_MANY_PG = (
+    f"UPDATE {TABLE} SET claimed_ahead = 0 FROM unnest(%s::text[], %s::text[]) AS begun(id, owner) "
+    f"WHERE {TABLE}.id = begun.id AND {TABLE}.owner_token = begun.owner"
+)
 # Every settle: the row is no longer leased, nor claimed ahead.
 RELEASED = "owner_token = NULL, leased_until = NULL, claimed_ahead = 0"
 # The fence of every fast ack: a row some job waits for is acked on the transactional path,
@@ -396,16 +403,26 @@ class DatabaseBackend(LimitedBackend):
         heartbeat thread, which writes waiting acks, could not touch rows claimed in it."""
         return self.supports_prefetch and not self._conn.in_atomic_block
 
-    def ack_many(self, leases: list[Lease]) -> list[Lease]:
-        if not leases:
+    def ack_many(self, leases: list[Lease], begun: Sequence[Lease] = ()) -> list[Lease]:
+        """One statement on PostgreSQL (the starts in a CTE), one transaction on SQLite."""
+        if not leases and not begun:
             return []
-        if self._conn.vendor == "postgresql":
-            sql = f"{self._ack_many_sql()} RETURNING {TABLE}.id"
-            _, rows = self._execute_queue(sql, self._ack_many_params(leases), prepare=True, every_row=True)
+        vendor = self._conn.vendor
+        if vendor == "postgresql":
+            sql, params = f"{self._ack_many_sql()} RETURNING {TABLE}.id", self._ack_many_params(leases)
+            if begun:
+                sql = f"WITH begun AS ({BEGIN_MANY_PG}) {sql}"
+                params = [[lease.token for lease in begun], [lease.owner_token for lease in begun], *params]
+            _, rows = self._execute_queue(sql, params, prepare=True, every_row=True)
             return self._ack_slowly(_lost(leases, {row[0] for row in rows}))
-        if self._conn.vendor != "sqlite":
-            return super().ack_many(leases)
-        return self._ack_slowly(self._ack_many_sqlite(leases))
+        if vendor != "sqlite":
+            return super().ack_many(leases, begun)
+        if not begun:
+            return self._ack_slowly(self._ack_many_sqlite(leases))
+        with transaction.atomic(using=self.alias):
+            lost = self._ack_many_sqlite(leases)
+            self._execute(*_each_fenced_sqlite("claimed_ahead = 0", [], begun))
+        return self._ack_slowly(lost)
 
     def ack_many_and_fetch(self, leases: list[Lease], queue: str, limit: int) -> tuple[list[Lease], list[Lease]]:
         """One statement on PostgreSQL, one transaction on SQLite: the acks (fenced row by
@@ -447,15 +464,8 @@ class DatabaseBackend(LimitedBackend):
         if not leases:
             return []
         now = self._adapt(timezone.now())
-        ids, pairs = ", ".join(["%s"] * len(leases)), ", ".join(["(%s, %s)"] * len(leases))
-        # "id IN (...)" leads SQLite to the rows by primary key (the row values alone scan the table).
-        sql = (
-            f"UPDATE {TABLE} SET {ACKED} WHERE id IN ({ids}) AND (id, owner_token) IN (VALUES {pairs}) "
-            f"AND {NO_DEPENDENTS} RETURNING id"
-        )
-        tokens = [lease.token for lease in leases]
-        params = [now, now, *tokens, *(value for lease in leases for value in (lease.token, lease.owner_token))]
-        _, rows = self._execute(sql, params, every_row=True)
+        sql, params = _each_fenced_sqlite(ACKED, [now, now], leases)
+        _, rows = self._execute(f"{sql} AND {NO_DEPENDENTS} RETURNING id", params, every_row=True)
         return _lost(leases, {row[0] for row in rows})
 
     def _batch(self, rows: list[Any], owner: str, expires: datetime, queue: str) -> list[Lease]:
@@ -784,3 +794,13 @@ class DatabaseBackend(LimitedBackend):
             )
         )
         return counts
+
+
+def _each_fenced_sqlite(assignments: str, params: list[Any], leases: Sequence[Lease]) -> tuple[str, list[Any]]:
+    """SQLite: an UPDATE of the rows of ``leases``, each fenced on its (id, owner token) pair;
+    ``params``: those of ``assignments``."""
+    ids, pairs = ", ".join(["%s"] * len(leases)), ", ".join(["(%s, %s)"] * len(leases))
+    # "id IN (...)" leads SQLite to the rows by primary key (the row values alone scan the table).
+    sql = f"UPDATE {TABLE} SET {assignments} WHERE id IN ({ids}) AND (id, owner_token) IN (VALUES {pairs})"
+    tokens = [lease.token for lease in leases]
+    return sql, [*params, *tokens, *(value for lease in leases for value in (lease.token, lease.owner_token))]

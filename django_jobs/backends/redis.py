@@ -293,13 +293,14 @@ class RedisBackend(LimitedBackend):
         reply = self._run("fetch_many", queue, now, deadline, owner, limit)
         return self._claimed(queue, reply, owner, deadline)
 
-    def ack_many(self, leases: list[Lease]) -> list[Lease]:
-        by_queue: dict[str, list[Lease]] = {}
-        for lease in leases:
-            by_queue.setdefault(lease.queue, []).append(lease)
+    def ack_many(self, leases: list[Lease], begun: Sequence[Lease] = ()) -> list[Lease]:
+        by_queue: dict[str, tuple[list[Lease], list[Lease]]] = {}
+        for index, batch in enumerate((leases, begun)):
+            for lease in batch:
+                by_queue.setdefault(lease.queue, ([], []))[index].append(lease)
         lost: list[Lease] = []
-        for queue, group in by_queue.items():  # one script per queue (one cluster slot)
-            flags = self._run("ack_many", queue, _acks(group))
+        for queue, (group, started) in by_queue.items():  # one script per queue (one cluster slot)
+            flags = self._run("ack_many", queue, _acks(group), _acks(started))
             self._completed(_parents_done(group, flags))
             lost += _lost(group, flags)
         return lost

@@ -834,6 +834,28 @@ def test_ack_many_and_fetch_acks_a_batch_and_claims_the_next(queue_backend, back
         assert record(backend_case, queue_backend, ids[0]).attempts == 1
 
 
+def test_ack_many_records_the_starts_of_runs_begun_so_their_loss_counts(queue_backend, backend_case):
+    """``ack_many(acks, begun)``: the acks, and the starts of runs claimed ahead that began
+    meanwhile. A begun run's lost lease is a counted run; an unstarted claim's is not."""
+    require_prefetch(queue_backend)
+    expire = require_hook(backend_case, "expire")
+    done, running, waiting = (enqueue(queue_backend, backend_case, max_retries=0) for _ in range(3))
+    batch = queue_backend.fetch_many("default", 3)
+    assert [lease.envelope.id for lease in batch] == [done.id, running.id, waiting.id]
+
+    assert queue_backend.ack_many([batch[0]], begun=[batch[1]]) == []
+    stale = replace(batch[2], owner_token="0" * 32)
+    assert queue_backend.ack_many([], begun=[stale]) == []  # fenced: a lease not ours is left alone
+
+    for lease in batch[1:]:
+        expire(queue_backend, lease)
+    assert queue_backend.reap_expired("default") == 2
+    # The begun run was lost: counted (no retries left: failed). The other goes back uncounted.
+    assert [(a.attempt, a.outcome) for a in history_of(queue_backend, running.id)] == [(1, "lost")]
+    [again] = queue_backend.fetch_many("default", 5)
+    assert (again.envelope.id, again.envelope.attempts, again.must_begin) == (waiting.id, 0, True)
+
+
 def lose_a_claim_ahead(backend: QueueBackend, case: BackendCase, **options: Any) -> Envelope:
     """A job claimed ahead whose worker died with it: its lease expires and is reaped."""
     require_prefetch(backend)

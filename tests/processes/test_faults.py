@@ -9,9 +9,9 @@ rest of the suite uses are never touched.
   job longer than its lease is never reaped while its worker lives (a restart while idle too).
 - A hard timeout kills the attempt whatever the backend's health.
 - A job's forked child that unwinds out of the job exits: it never becomes a second worker.
-- An error in the worker's own code (a job error whose ``__str__`` raises, a
-  ``KeyboardInterrupt`` from a job, an idempotency cache that fails) settles the job at once as a
-  failed run with the real error.
+- An error in the worker's own code after the handler was called (a job error whose ``__str__``
+  raises, a ``KeyboardInterrupt`` from a job) settles the job at once as a failed run with the
+  real error; an idempotency cache that fails before the start defers the job, uncounted.
 - A worker that stalls between the claim and the handler keeps its lease through the stall (the
   guards run under the heartbeat), and a handler never starts on a lease that was lost.
 
@@ -33,6 +33,7 @@ from django.conf import settings
 from django.test import override_settings
 
 from bench.chaos.workers import group_pids
+from django_jobs.metrics import InMemoryMetricsCollector
 from django_jobs.models import Job, JobStatus
 from django_jobs.reaper import Reaper
 from django_jobs.worker import QueueWorker
@@ -270,20 +271,29 @@ def test_a_job_error_the_worker_cannot_describe_or_an_interrupt_is_a_failed_run(
 
 @pytest.mark.postgres
 @pytest.mark.django_db(databases=["default", PG], transaction=True)
-def test_an_idempotency_cache_that_fails_is_a_recorded_failed_run_not_a_silent_loop(postgres_up):
+def test_an_idempotency_cache_that_fails_defers_the_job_uncounted_and_says_so(postgres_up, caplog):
+    """The guard's cache is down before the start: no run happened, so none is counted (a
+    ``max_retries=0`` job is not failed). The job is deferred, the error logged with its class
+    and counted; once the cache answers, the job runs once."""
     broken = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": "redis://127.0.0.1:1/0"}
     key = unique("cache-down")
+    worker = QueueWorker("pg", metrics=InMemoryMetricsCollector(), busy_delay=0)
     with override_settings(
         CACHES={**settings.CACHES, "broken": broken}, JOBS={**settings.JOBS, "IDEMPOTENCY_CACHE": "broken"}
     ):
-        job_id = scripted.using(backend="pg", idempotency_key=key).dispatch(action="ok", key=key, db=PG)
-        result = QueueWorker("pg").process_once()
+        job_id = scripted.using(backend="pg", idempotency_key=key, max_retries=0).dispatch(action="ok", key=key, db=PG)
+        result = worker.process_once()
 
-    assert (result.status, result.attempt) == ("dead-lettered", 1)
+    assert (result.status, result.label, result.attempt) == ("requeued", "deferred", 0)
+    assert "ConnectionError" in (result.error or "").partition("\n")[0], result.error
     job = Job.objects.using(PG).get(pk=job_id)
-    assert job.status == JobStatus.FAILED
-    assert "ConnectionError" in job.last_error.partition("\n")[0], job.last_error
+    assert (job.status, job.attempts) == (JobStatus.PENDING, 0)
     assert not SideEffect.objects.using(PG).filter(key=key).exists(), "ran without its idempotency guard"
+    assert worker.metrics.get("jobs_backend_errors") == 1
+    assert "error before it started" in caplog.text
+
+    assert worker.process_once().status == "acked"  # the default cache answers
+    assert SideEffect.objects.using(PG).filter(key=key).count() == 1
 
 
 def _in_thread(worker: QueueWorker, results: list[Any]) -> None:

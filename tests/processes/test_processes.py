@@ -229,32 +229,36 @@ def test_a_worker_process_that_dies_mid_batch_counts_only_its_job_in_hand():
 
 
 @pytest.mark.slow
-def test_a_host_crash_mid_batch_hands_the_unstarted_jobs_back_uncounted():
+def test_a_host_crash_mid_batch_counts_the_started_job_and_hands_the_others_back_uncounted():
     """Supervisor and worker SIGKILLed together (a host crash): nobody recovers the claims
-    until their leases expire. Then ``jobs_reap`` hands every job claimed ahead back without
-    counting a run (it cannot tell which one was running), marked so that each one's start is
-    recorded before it runs again; a fresh worker then runs them all."""
+    until their leases expire. The job that was running had its start recorded (with the
+    batch's next write), so ``jobs_reap`` counts its lost run (``max_retries=0``: failed); the
+    jobs claimed ahead and never started go back uncounted, marked so that each one's start is
+    recorded before it runs again; a fresh worker then runs them once each."""
     env = worker_env(lease_timeout=2)
     keys = [unique("batch") for _ in range(3)]
     ids = [dispatch("sleep", key=key, seconds=3, max_retries=0) for key in keys]
     with processes() as procs:
         first = procs.worker("--backend", "pg", env=env)
         [run] = wait_until(lambda: effects(keys[0]), 30, "the first job to start")
+        wait_until(lambda: job(ids[0]).claimed_ahead == 0, 10, "the first job's start to be recorded")
         first.send(signal.SIGKILL, group=True)
         assert first.wait(10) == -signal.SIGKILL
         wait_until(lambda: not pid_alive(run.pid), 10, f"worker process {run.pid} to die")
-        assert [(job(i).status, job(i).claimed_ahead) for i in ids] == [("in_progress", 1)] * 3
+        assert [(job(i).status, job(i).claimed_ahead) for i in ids] == [("in_progress", 0)] + [("in_progress", 1)] * 2
 
         wait_until(lambda: job(ids[0]).leased_until < timezone.now(), 10, "the dead worker's leases to expire")
         code, reap = procs.run("jobs_reap", "--backend", "pg", env=env)
         assert code == 0, reap.output()
-        assert [(job(i).status, job(i).attempts, job(i).claimed_ahead) for i in ids] == [("pending", 0, 2)] * 3
+        assert (job(ids[0]).status, job(ids[0]).attempts) == ("failed", 1)
+        assert job(ids[0]).last_error.startswith("WorkerLost"), job(ids[0]).last_error
+        assert [(job(i).status, job(i).attempts, job(i).claimed_ahead) for i in ids[1:]] == [("pending", 0, 2)] * 2
 
-        code, second = procs.run("jobs_work", "--backend", "pg", "--max", "3", env=env, timeout=60)
+        code, second = procs.run("jobs_work", "--backend", "pg", "--max", "2", env=env, timeout=60)
         assert code == 0, second.output()
 
-    assert [(job(i).status, job(i).attempts, job(i).claimed_ahead) for i in ids] == [("completed", 1, 0)] * 3
-    assert [len(effects(key)) for key in keys] == [2, 1, 1]  # the first ran twice: at least once
+    assert [(job(i).status, job(i).attempts, job(i).claimed_ahead) for i in ids[1:]] == [("completed", 1, 0)] * 2
+    assert [len(effects(key)) for key in keys] == [1, 1, 1]
 
 
 # -- 4. graceful shutdown, --once, --max ------------------------------------------------------------
