@@ -138,7 +138,8 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
     """Give failed and cancelled jobs a fresh start: pending, attempts 0, available now.
 
     A database-backend row is reset in place; an audit copy of a job that failed on another
-    backend is re-dispatched to that backend and the copy removed (a new failure re-records it).
+    backend is re-dispatched to that backend (``redispatch``) and the copy removed (a new failure
+    re-records it). Either way a job with parents runs without them: they are not consulted again.
     A job whose backend is no longer configured stays failed and is reported in ``errors``, and
     so does a row whose signature does not verify (a forged or tampered message kept for audit):
     a retry never re-signs or re-sends what no key holder dispatched. ``jobs`` of the outcome
@@ -178,7 +179,7 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
             if not reset:
                 continue  # retried meanwhile
         else:
-            backend.enqueue(envelope_of(row))
+            backend.redispatch(envelope_of(row))
             # Enqueued first, so a failed push loses nothing; a backend that ran it inline and
             # recorded a new failure (sync) has changed updated_at, and that record stays.
             Job.objects.using(row._state.db).filter(pk=row.pk, updated_at=row.updated_at).delete()

@@ -126,6 +126,13 @@ class QueueBackend(ABC):
         """Store many envelopes; backends override this with one round trip where they can."""
         return [self.enqueue(envelope) for envelope in envelopes]
 
+    def redispatch(self, envelope: Envelope) -> str:
+        """Store again a job that failed or was cancelled, for a fresh start (``jobs_retry``, the
+        admin's retry); return its id. As :meth:`enqueue`, except that its parents are not
+        consulted again: it waits for none of them, and none settles it. The default is
+        ``enqueue``, which is that for a backend without ``supports_dependencies``."""
+        return self.enqueue(envelope)
+
     @abstractmethod
     def fetch(self, queue: str) -> Lease | None:
         """Lease the next ready message of ``queue``, or return ``None``."""

@@ -224,20 +224,29 @@ class RedisBackend(LimitedBackend):
     # -- protocol --
 
     def _push(self, envelope: Envelope, client: Any = None) -> Any:
-        priority = max(-PRIORITY_LIMIT, min(PRIORITY_LIMIT, envelope.priority))
+        """Store ``envelope`` blocked while it names parents, else as :meth:`_store` does."""
         parents = _parents(envelope)
-        if parents:
-            body, blocked_on = envelope.to_bytes(), json.dumps(parents)
-            return self._run("block", envelope.queue, envelope.id, body, priority, blocked_on, client=client)
+        if not parents:
+            return self._store(envelope, client)
+        body, blocked_on = envelope.to_bytes(), json.dumps(parents)
+        return self._run("block", envelope.queue, envelope.id, body, _priority(envelope), blocked_on, client=client)
+
+    def _store(self, envelope: Envelope, client: Any = None) -> Any:
+        """Store ``envelope`` ready, or delayed until its ``available_at``."""
         due = envelope.available_at.timestamp() if envelope.available_at else 0
-        return self._run(
-            "enqueue", envelope.queue, envelope.id, envelope.to_bytes(), priority, _ms(due), _ms(), client=client
-        )
+        body, priority = envelope.to_bytes(), _priority(envelope)
+        return self._run("enqueue", envelope.queue, envelope.id, body, priority, _ms(due), _ms(), client=client)
 
     def enqueue(self, envelope: Envelope) -> str:
         self._push(envelope)
         if _parents(envelope):
             self._attach([(envelope.id, envelope.queue, _parents(envelope))])
+        return envelope.id
+
+    def redispatch(self, envelope: Envelope) -> str:
+        """Stored ready (or delayed), never blocked: a parent that still runs and holds it in its
+        ``dependents`` later resolves an edge to a job no longer blocked, which changes nothing."""
+        self._store(envelope)
         return envelope.id
 
     def enqueue_many(self, envelopes: list[Envelope]) -> list[str]:
@@ -785,6 +794,11 @@ def _address(client: Any) -> str:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
+def _priority(envelope: Envelope) -> int:
+    """The job's priority, clamped to what a waiting score keeps exact."""
+    return max(-PRIORITY_LIMIT, min(PRIORITY_LIMIT, envelope.priority))
 
 
 def _parents(envelope: Envelope) -> list[str]:

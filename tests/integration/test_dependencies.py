@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from django.db import connections
 
-from django_jobs import Jobs, chain, dependencies, group
+from django_jobs import Jobs, chain, dependencies, group, operations
 from django_jobs.backends.base import Lease, QueueBackend
 from django_jobs.exceptions import LeaseLost, UnknownJob
 from django_jobs.history import attempts_of
@@ -23,7 +23,7 @@ from django_jobs.models import Dependency, Job
 from django_jobs.reaper import Reaper
 from django_jobs.worker import QueueWorker
 from tests.backend_params import ALL_DATABASES, BACKEND_PARAMS, DB, BackendCase, backend_of, ready_case
-from tests.testapp.jobs import flow_step
+from tests.testapp.jobs import flow_step, scripted
 from tests.testapp.models import SideEffect
 
 DATABASE_PARAMS = [param for param in BACKEND_PARAMS if str(param.id).startswith("database-")]
@@ -292,6 +292,106 @@ def test_a_group_callback_that_needs_every_member_to_succeed(case, backend):
     drain(backend)
     assert ran(case) == ["m1", "m2"]
     assert_settled_by_parent(backend, callback, "failed", f"ParentFailed: parent {members[1]} failed")
+
+
+# -- retrying a settled job (jobs_retry, the admin) --
+
+
+def retry(*ids: str) -> None:
+    """Retry the jobs as ``jobs_retry`` and the admin's action do."""
+    outcome = operations.retry_by_id(list(ids))
+    assert (outcome.retried, outcome.errors) == (len(ids), [])
+
+
+def runs(backend: QueueBackend, job_id: str) -> list[tuple[str, str]]:
+    """The job's history: each attempt's outcome, and ``flow`` or ``worker`` (who ended it). A
+    completed run is recorded when the job keeps its result."""
+    return [
+        (entry.outcome, "flow" if entry.worker_id == "flow" else "worker")
+        for entry in attempts_of(job_id, using=backend.history_alias)
+    ]
+
+
+@pytest.mark.parametrize("parent_ends", ["failed", "cancelled"])
+def test_a_retried_dependent_runs_once_without_its_parent(case, backend, parent_ends):
+    parent = send(case, "parent", "raise")
+    child = send(case, "child", depends_on=[parent], keep_result=True)
+    if parent_ends == "cancelled":
+        Jobs.abort(parent)
+    drain(backend)
+    assert stored(backend, child).status == parent_ends
+
+    retry(child)
+
+    assert drain(backend) == ["acked"]
+    assert ran(case) == (["parent", "child"] if parent_ends == "failed" else ["child"])
+    assert runs(backend, child) == [(parent_ends, "flow"), ("completed", "worker")]
+    assert stored(backend, child).status == "completed"
+
+
+@pytest.mark.parametrize("parent_ends", ["failed", "cancelled"])
+def test_retrying_a_parent_does_not_revive_the_dependents_it_settled(case, backend, parent_ends):
+    # Fails its first run only (when it runs at all), so the retried parent completes.
+    flaky = scripted.using(backend=case.name)
+    parent = flaky.dispatch("flaky", "parent", case.side_effect_db, fail_times=int(parent_ends == "failed"))
+    child = send(case, "child", depends_on=[parent])
+    grandchild = send(case, "grandchild", depends_on=[child])
+    if parent_ends == "cancelled":
+        Jobs.abort(parent)
+    drain(backend)
+
+    retry(parent)
+
+    assert drain(backend) == ["acked"]
+    assert ran(case) == ["parent"] * (2 if parent_ends == "failed" else 1)
+    reason = {
+        "failed": f"ParentFailed: parent {parent} failed",
+        "cancelled": f"ParentCancelled: parent {parent} was cancelled",
+    }
+    assert_settled_by_parent(backend, child, parent_ends, reason[parent_ends])  # as it was: not settled again
+    assert stored(backend, grandchild).status == parent_ends
+
+
+@pytest.mark.parametrize("settled_by", ["failed parent", "abort"])
+def test_a_retried_dependent_does_not_wait_again_for_a_parent_still_running(case, backend, settled_by):
+    running = send(case, "running")
+    failing = send(case, "failing", "raise")
+    parents = [running, failing] if settled_by == "failed parent" else [running]
+    child = send(case, "child", depends_on=parents, keep_result=True)
+    lease = fetch(backend)
+    assert lease.envelope.id == running
+    if settled_by == "abort":
+        assert Jobs.abort(child) == "cancelled"  # while it waits
+    assert drain(backend) == ["dead-lettered"]
+    assert stored(backend, child).status == ("failed" if settled_by == "failed parent" else "cancelled")
+
+    retry(child)
+
+    assert drain(backend) == ["acked"]  # while a parent still runs
+    backend.ack(lease)  # that parent's end no longer concerns it
+    assert drain(backend) == []
+    assert ran(case) == ["failing", "child"]
+    assert [outcome for outcome, _ in runs(backend, child)][-1:] == ["completed"]
+    assert stored(backend, child).status == "completed"
+
+
+def test_a_retried_dependent_is_a_parent_like_any_job(case, backend):
+    parent = send(case, "parent", "raise")
+    child = send(case, "child", depends_on=[parent])
+    grandchild = send(case, "grandchild", depends_on=[child])
+    drain(backend)
+
+    retry(child)
+    late = send(case, "late", depends_on=[child], keep_result=True)  # waits for the retried run
+
+    assert drain(backend) == ["acked", "acked"]
+    assert ran(case) == ["parent", "child", "late"]
+    assert runs(backend, late) == [("completed", "worker")]
+    # The dependent it settled before is not revived: retried in turn, it runs.
+    assert_settled_by_parent(backend, grandchild, "failed", f"ParentFailed: parent {child} failed")
+    retry(grandchild)
+    assert drain(backend) == ["acked"]
+    assert ran(case) == ["parent", "child", "late", "grandchild"]
 
 
 # -- the database backend --

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from django_jobs import Jobs, chain, group, job, signing
+from django_jobs import Jobs, chain, group, job, operations, signing
 from django_jobs.exceptions import BadSignature, DependenciesNotSupported
 from django_jobs.flows import edges_verdict
 from django_jobs.history import attempts_of
@@ -132,3 +132,17 @@ def test_the_sync_backend_settles_a_child_of_a_failed_parent_without_running_it(
     assert (entry.outcome, entry.worker_id, entry.attempt) == ("failed", "flow", 1)
     # The next step runs although its parent failed: it was prepared with run_if_parent_fails.
     assert Jobs.backend("sync").outcomes[tolerant] == "completed"
+
+
+@pytest.mark.django_db
+def test_the_sync_backend_runs_a_retried_dependent_of_a_failed_parent(django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True):
+        failing, child = chain(
+            flow_step.prepare(None, "r1", action="raise"), flow_step.using(keep_result=True).prepare(None, "r2")
+        ).dispatch(backend="sync")
+    assert Job.objects.get(pk=child).status == "failed"
+
+    assert operations.retry_jobs(Job.objects.filter(pk=child)).retried == 1  # the admin's retry
+
+    assert list(SideEffect.objects.values_list("key", flat=True).order_by("id")) == ["r1", "r2"]
+    assert (Job.objects.get(pk=child).status, Jobs.backend("sync").outcomes[failing]) == ("completed", "failed")
