@@ -9,6 +9,12 @@ ran, from when it was first synced): only the latest tick at or before now can b
 costs the same after a minute or a month of downtime. ``missed="skip"`` runs that tick only
 within :data:`GRACE` of it; ``missed="catch_up_once"`` runs it however late.
 
+Clocks disagree: a scheduler whose clock is ahead claims a tick the others have not reached, and
+jumps over the unclaimed ones before it. Such a tick is due on a scheduler whose clock reached
+it since that scheduler's previous pass (it was due while this one ran): the schedulers behind
+dispatch what the one ahead jumped over, each as its own clock reaches it. A clock stepped back
+reaches nothing new until it is past the furthest time it read before.
+
 A database backend's job commits with its claim. A broker's job is pushed when the claim
 commits, and ``dispatched_at`` is set once the push returned: a tick claimed but never marked
 (its scheduler died between the commit and the push, or the push failed) is dispatched again
@@ -46,8 +52,11 @@ logger = logging.getLogger("django_jobs.scheduler")
 GRACE = timedelta(seconds=60)
 # Seconds between passes at most (a pass also runs as soon as the next tick is due).
 POLL = 1.0
-# A tick claimed this long ago and still not marked dispatched is dispatched again.
-REDISPATCH_AFTER = timedelta(seconds=30)
+# How far apart the schedulers' clocks may be (docs/schedules.md, "Clock skew").
+MAX_SKEW = timedelta(seconds=60)
+# A tick claimed this long ago and still not marked dispatched is dispatched again: its claimer
+# had 30 s to push it, read on any clock within MAX_SKEW of the claimer's.
+REDISPATCH_AFTER = timedelta(seconds=30) + MAX_SKEW
 # The longest wait between passes while they fail (the database is unreachable).
 MAX_BACKOFF = 30.0
 
@@ -66,6 +75,14 @@ class Dispatched:
     def __str__(self) -> str:
         when = "run now" if self.manual else f"tick {self.tick.isoformat()}"
         return f"{self.name} ({when}): job {self.job_id} {self.handler} queue={self.queue}"
+
+
+@dataclass(frozen=True)
+class _Claims:
+    """An entry's claimed scheduled ticks: the latest, and the latest at or before now."""
+
+    latest: datetime | None = None
+    by_now: datetime | None = None
 
 
 def idempotency_key(name: str, tick: datetime) -> str:
@@ -112,6 +129,8 @@ class Scheduler:
         self.metrics = get_collector()
         self.dispatched = 0  # ticks this scheduler dispatched
         self._synced = False
+        # Entry name -> the furthest time this scheduler's clock read in a pass that handled it.
+        self._reached: dict[str, datetime] = {}
         # Entry name -> the tick whose failure was logged: a retry failing again logs at DEBUG.
         self._failing: dict[str, datetime | None] = {}
 
@@ -151,33 +170,39 @@ class Scheduler:
         enabled = [name for name, entry in self.entries.items() if entry.enabled]
         rows = Schedule.objects.using(self.alias).filter(name__in=enabled, enabled=True)
         ticks = ScheduleTick.objects.using(self.alias).filter(schedule_id__in=enabled, manual=False)
-        latest = dict(ticks.values("schedule_id").annotate(latest=Max("tick")).values_list("schedule_id", "latest"))
+        claimed = ticks.values("schedule_id").annotate(latest=Max("tick"), by_now=Max("tick", filter=Q(tick__lte=now)))
+        claims = {row["schedule_id"]: _Claims(row["latest"], row["by_now"]) for row in claimed}
         for row in rows:
             entry = self.entries[row.name]
             tick = None
             try:
-                tick = self._due(entry, latest.get(row.name) or row.created_at, now)
+                tick = self._due(entry, row.created_at, claims.get(row.name, _Claims()), now)
                 if tick is None:
                     self._refresh_next_run(row, entry, now)
-                    continue
-                dispatched = self._dispatch(entry, tick, now)
+                dispatched = None if tick is None else self._dispatch(entry, tick, now)
             except Exception as exc:  # noqa: BLE001 - one entry's failure must not stop the others
                 self._failed(entry, tick, exc)
                 continue
+            self._reached[entry.name] = max(now, self._reached.get(entry.name, now))
             self._failing.pop(entry.name, None)
             if dispatched is not None:
                 done.append(dispatched)
         return done
 
-    def _due(self, entry: Entry, baseline: datetime, now: datetime) -> datetime | None:
-        """The tick to dispatch now, if any: the latest one, when it falls after ``baseline``
-        and, for ``missed="skip"``, within the grace period."""
-        latest = entry.previous_tick(now)
-        if latest <= baseline:
+    def _due(self, entry: Entry, created: datetime, claims: _Claims, now: datetime) -> datetime | None:
+        """The tick to dispatch now, if any: the latest one at or before ``now``, after the entry
+        was ``created`` and, for ``missed="skip"``, within the grace period, when it is later
+        than every claimed tick, or when it is unclaimed, a later one is claimed (by a scheduler
+        whose clock is ahead) and this scheduler's clock reached it since its previous pass, for
+        the first time."""
+        tick = entry.previous_tick(now)
+        if tick <= created or (entry.missed == "skip" and now - tick > self.grace):
             return None
-        if entry.missed == "skip" and now - latest > self.grace:
-            return None
-        return latest
+        if claims.latest is None or tick > claims.latest:
+            return tick
+        reached = self._reached.get(entry.name)
+        unclaimed = claims.by_now is None or claims.by_now < tick
+        return tick if unclaimed and reached is not None and reached < tick else None
 
     def _refresh_next_run(self, row: Schedule, entry: Entry, now: datetime) -> None:
         """Keep ``next_run`` (for people) ahead of now when a tick was skipped."""
