@@ -18,7 +18,9 @@ reaches nothing new until it is past the furthest time it read before.
 A database backend's job commits with its claim. A broker's job is pushed when the claim
 commits, and ``dispatched_at`` is set once the push returned: a tick claimed but never marked
 (its scheduler died between the commit and the push, or the push failed) is dispatched again
-after :data:`REDISPATCH_AFTER`, under the same idempotency key.
+after :data:`REDISPATCH_AFTER`, under the same idempotency key, while its entry is enabled. Once
+the entry's row is disabled (in the settings, or removed from them) such a tick is abandoned
+instead (``abandoned_at``): it is never sent, and enabling the entry again sends none of them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from datetime import UTC, datetime, timedelta
 from functools import partial
 
 from django.db import IntegrityError, connections, router, transaction
-from django.db.models import Max, Q
+from django.db.models import Max, Q, QuerySet
 from django.utils import timezone
 
 from . import conf, registry, schedules
@@ -209,14 +211,23 @@ class Scheduler:
         if row.next_run is None or row.next_run <= now:
             Schedule.objects.using(self.alias).filter(name=row.name).update(next_run=entry.next_tick(now))
 
-    def _redispatch(self, now: datetime) -> list[Dispatched]:
-        """Dispatch again the ticks claimed more than ``REDISPATCH_AFTER`` ago and never marked
-        dispatched (their scheduler died before its push, or the push failed)."""
-        stale = ScheduleTick.objects.using(self.alias).filter(
-            dispatched_at__isnull=True, claimed_at__lt=now - REDISPATCH_AFTER, schedule_id__in=list(self.entries)
+    def _stranded(self, now: datetime) -> QuerySet[ScheduleTick]:
+        """The ticks claimed more than ``REDISPATCH_AFTER`` ago and never marked dispatched
+        (their scheduler died before its push, or the push failed), nor abandoned."""
+        return ScheduleTick.objects.using(self.alias).filter(
+            dispatched_at__isnull=True, abandoned_at__isnull=True, claimed_at__lt=now - REDISPATCH_AFTER
         )
+
+    def _redispatch(self, now: datetime) -> list[Dispatched]:
+        """Dispatch the stranded ticks again, those of entries enabled here and in the database;
+        abandon those of entries the database shows disabled. Others (an entry another
+        scheduler's settings enable, unknown to this one) are left to the schedulers that know them."""
+        stranded = self._stranded(now)
+        for row in stranded.filter(schedule__enabled=False).order_by("claimed_at"):
+            self._abandon(row, now)
+        enabled = [name for name, entry in self.entries.items() if entry.enabled]
         done = []
-        for row in stale.order_by("claimed_at"):
+        for row in stranded.filter(schedule_id__in=enabled, schedule__enabled=True).order_by("claimed_at"):
             entry = self.entries[row.schedule_id]
             try:
                 dispatched = self._dispatch(entry, row.tick, now, manual=row.manual, stale=row)
@@ -233,6 +244,18 @@ class Scheduler:
                 )
                 done.append(dispatched)
         return done
+
+    def _abandon(self, row: ScheduleTick, now: datetime) -> None:
+        """Mark a stranded tick of a disabled entry abandoned (unless another scheduler took it
+        over meanwhile): it is never sent."""
+        if self._stranded(now).filter(pk=row.pk).update(abandoned_at=now):
+            logger.warning(
+                "schedule %r: tick %s was claimed at %s but never dispatched, and the entry is disabled; abandoned it",
+                row.schedule_id,
+                row.tick.isoformat(),
+                row.claimed_at.isoformat(),
+                extra=log_fields(row.job_id or None, None, outcome="abandoned"),
+            )
 
     # -- a manual tick --
 
@@ -266,11 +289,9 @@ class Scheduler:
             with self._transaction(backend):
                 if stale is None:
                     row = ticks.create(schedule_id=entry.name, tick=tick, manual=manual, claimed_at=now, job_id="")
+                elif not self._stranded(now).filter(pk=stale.pk).update(claimed_at=now):
+                    return None  # another scheduler took it over (or abandoned it) first
                 else:
-                    cutoff = now - REDISPATCH_AFTER
-                    taken = ticks.filter(pk=stale.pk, dispatched_at__isnull=True, claimed_at__lt=cutoff)
-                    if not taken.update(claimed_at=now):
-                        return None  # another scheduler took it over first
                     row = stale
                 claimed = True
                 try:

@@ -1,5 +1,5 @@
-"""Several schedulers on PostgreSQL, each reading its own clock: clocks that disagree, and a
-clock stepped back.
+"""Several schedulers on PostgreSQL, each reading its own clock: clocks that disagree, a clock
+stepped back, and the tick of a disabled or removed entry left unsent by a broker outage.
 
 The test keeps a "real" time that it advances in steps; each scheduler reads it through its own
 offset, and every running scheduler makes a pass at every step. Nothing sleeps.
@@ -7,15 +7,18 @@ offset, and every running scheduler makes a pass at every step. Nothing sleeps.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
+import redis
 
+from django_jobs.backends.redis import RedisBackend
 from django_jobs.models import Job, Schedule, ScheduleTick
-from django_jobs.scheduler import Scheduler, idempotency_key
+from django_jobs.scheduler import REDISPATCH_AFTER, Scheduler, idempotency_key
 from django_jobs.schedules import Entry, parse_entry
 
 PG = "postgres"
@@ -126,6 +129,52 @@ def test_schedulers_whose_clocks_disagree_dispatch_every_tick_exactly_once(runs)
     assert found == expected, f"never dispatched: {sorted(expected - found)}; more than once: {+(found - expected)}"
     ticks = ScheduleTick.objects.using(PG).filter(schedule_id=entry.name)
     assert sorted(ticks.values_list("tick", flat=True)) == window
+
+
+# -- a tick left unsent, then its entry disabled or removed ----------------------------------------
+
+
+def refuse(self, envelopes):
+    raise redis.ConnectionError("the broker is down")
+
+
+@pytest.mark.django_db(databases=["default", PG], transaction=True)  # a broker's push runs at commit
+@pytest.mark.parametrize("change", ["disabled", "removed"])
+def test_a_tick_left_unsent_is_never_sent_once_its_entry_is_disabled_or_removed(
+    change, redis_backend, monkeypatch, caplog
+):
+    hourly = parse_entry("hourly", {"job": "tests.testapp.jobs.noop", "every": 3600, "backend": "redis"})
+    tick = hourly.next_tick(T0)
+    time = Time(tick - timedelta(seconds=10))
+    first = Scheduler({hourly.name: hourly}, clock=time.clock(0))
+    first.run_pass()
+    with monkeypatch.context() as broker_down:
+        broker_down.setattr(RedisBackend, "enqueue_many", refuse)
+        time.now = tick
+        assert first.run_pass() == []  # claimed; the push failed after the commit
+    [row] = ScheduleTick.objects.using(PG).filter(schedule_id=hourly.name)
+    assert (row.tick, row.dispatched_at) == (tick, None)
+
+    # Every scheduler restarts with the entry disabled (or gone), clocks apart; the broker is back.
+    after = {"disabled": {hourly.name: replace(hourly, enabled=False)}, "removed": {}}[change]
+    schedulers = [Scheduler(after, clock=time.clock(offset)) for offset in (-2, 3)]
+    with caplog.at_level(logging.WARNING, logger="django_jobs.scheduler"):
+        time.passes(2 * REDISPATCH_AFTER.total_seconds(), schedulers, step=timedelta(seconds=5))
+    assert redis_backend.size("default") == 0
+    logged = [record for record in caplog.records if "abandoned" in record.getMessage()]
+
+    # Enabled again: the tick left unsent stays unsent; the next one runs on time.
+    schedulers = [Scheduler({hourly.name: hourly}, clock=time.clock(offset)) for offset in (-2, 3)]
+    time.passes(30, schedulers, step=timedelta(seconds=5))
+    assert redis_backend.size("default") == 0
+    time.now = hourly.next_tick(tick) - timedelta(seconds=5)
+    time.passes(10, schedulers, step=timedelta(seconds=5))
+    assert redis_backend.size("default") == 1
+    sent = ScheduleTick.objects.using(PG).filter(schedule_id=hourly.name).order_by("tick")
+    assert [(t.tick, t.dispatched_at is not None) for t in sent] == [(tick, False), (hourly.next_tick(tick), True)]
+    assert sent[0].abandoned_at is not None
+    [abandoned] = logged  # by one of the two
+    assert (abandoned.levelno, abandoned.job_id, abandoned.outcome) == (logging.WARNING, row.job_id, "abandoned")
 
 
 # -- a clock stepped back ------------------------------------------------------------------------
