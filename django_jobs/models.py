@@ -293,7 +293,8 @@ class ScheduleTick(models.Model):
     The unique (schedule, tick) pair is what makes a tick run exactly once across any number of
     schedulers: each claims a tick by inserting its row, in the transaction that dispatches it.
     ``dispatched_at`` stays empty until the job reached its backend (a broker's push happens after
-    the commit), so a tick claimed by a scheduler that crashed before the push is sent again.
+    the commit), so a tick claimed by a scheduler that crashed before the push is sent again;
+    ``abandoned_at`` is set instead when its entry was disabled or removed first: it is never sent.
     """
 
     schedule = models.ForeignKey(Schedule, on_delete=models.CASCADE, related_name="ticks")
@@ -302,6 +303,9 @@ class ScheduleTick(models.Model):
     manual = models.BooleanField(default=False, help_text="Run now from the admin, not a tick of the schedule.")
     claimed_at = models.DateTimeField(default=timezone.now)
     dispatched_at = models.DateTimeField(null=True, blank=True)
+    abandoned_at = models.DateTimeField(
+        null=True, blank=True, help_text="Given up unsent: its entry was disabled or removed before it was sent."
+    )
 
     class Meta:
         ordering = ["-tick"]

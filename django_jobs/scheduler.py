@@ -9,10 +9,18 @@ ran, from when it was first synced): only the latest tick at or before now can b
 costs the same after a minute or a month of downtime. ``missed="skip"`` runs that tick only
 within :data:`GRACE` of it; ``missed="catch_up_once"`` runs it however late.
 
+Clocks disagree: a scheduler whose clock is ahead claims a tick the others have not reached, and
+jumps over the unclaimed ones before it. Such a tick is due on a scheduler whose clock reached
+it since that scheduler's previous pass (it was due while this one ran): the schedulers behind
+dispatch what the one ahead jumped over, each as its own clock reaches it. A clock stepped back
+reaches nothing new until it is past the furthest time it read before.
+
 A database backend's job commits with its claim. A broker's job is pushed when the claim
 commits, and ``dispatched_at`` is set once the push returned: a tick claimed but never marked
 (its scheduler died between the commit and the push, or the push failed) is dispatched again
-after :data:`REDISPATCH_AFTER`, under the same idempotency key.
+after :data:`REDISPATCH_AFTER`, under the same idempotency key, while its entry is enabled. Once
+the entry's row is disabled (in the settings, or removed from them) such a tick is abandoned
+instead (``abandoned_at``): it is never sent, and enabling the entry again sends none of them.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from datetime import UTC, datetime, timedelta
 from functools import partial
 
 from django.db import IntegrityError, connections, router, transaction
-from django.db.models import Max, Q
+from django.db.models import Max, Q, QuerySet
 from django.utils import timezone
 
 from . import conf, registry, schedules
@@ -46,8 +54,11 @@ logger = logging.getLogger("django_jobs.scheduler")
 GRACE = timedelta(seconds=60)
 # Seconds between passes at most (a pass also runs as soon as the next tick is due).
 POLL = 1.0
-# A tick claimed this long ago and still not marked dispatched is dispatched again.
-REDISPATCH_AFTER = timedelta(seconds=30)
+# How far apart the schedulers' clocks may be (docs/schedules.md, "Clock skew").
+MAX_SKEW = timedelta(seconds=60)
+# A tick claimed this long ago and still not marked dispatched is dispatched again: its claimer
+# had 30 s to push it, read on any clock within MAX_SKEW of the claimer's.
+REDISPATCH_AFTER = timedelta(seconds=30) + MAX_SKEW
 # The longest wait between passes while they fail (the database is unreachable).
 MAX_BACKOFF = 30.0
 
@@ -66,6 +77,14 @@ class Dispatched:
     def __str__(self) -> str:
         when = "run now" if self.manual else f"tick {self.tick.isoformat()}"
         return f"{self.name} ({when}): job {self.job_id} {self.handler} queue={self.queue}"
+
+
+@dataclass(frozen=True)
+class _Claims:
+    """An entry's claimed scheduled ticks: the latest, and the latest at or before now."""
+
+    latest: datetime | None = None
+    by_now: datetime | None = None
 
 
 def idempotency_key(name: str, tick: datetime) -> str:
@@ -112,6 +131,8 @@ class Scheduler:
         self.metrics = get_collector()
         self.dispatched = 0  # ticks this scheduler dispatched
         self._synced = False
+        # Entry name -> the furthest time this scheduler's clock read in a pass that handled it.
+        self._reached: dict[str, datetime] = {}
         # Entry name -> the tick whose failure was logged: a retry failing again logs at DEBUG.
         self._failing: dict[str, datetime | None] = {}
 
@@ -151,47 +172,62 @@ class Scheduler:
         enabled = [name for name, entry in self.entries.items() if entry.enabled]
         rows = Schedule.objects.using(self.alias).filter(name__in=enabled, enabled=True)
         ticks = ScheduleTick.objects.using(self.alias).filter(schedule_id__in=enabled, manual=False)
-        latest = dict(ticks.values("schedule_id").annotate(latest=Max("tick")).values_list("schedule_id", "latest"))
+        claimed = ticks.values("schedule_id").annotate(latest=Max("tick"), by_now=Max("tick", filter=Q(tick__lte=now)))
+        claims = {row["schedule_id"]: _Claims(row["latest"], row["by_now"]) for row in claimed}
         for row in rows:
             entry = self.entries[row.name]
             tick = None
             try:
-                tick = self._due(entry, latest.get(row.name) or row.created_at, now)
+                tick = self._due(entry, row.created_at, claims.get(row.name, _Claims()), now)
                 if tick is None:
                     self._refresh_next_run(row, entry, now)
-                    continue
-                dispatched = self._dispatch(entry, tick, now)
+                dispatched = None if tick is None else self._dispatch(entry, tick, now)
             except Exception as exc:  # noqa: BLE001 - one entry's failure must not stop the others
                 self._failed(entry, tick, exc)
                 continue
+            self._reached[entry.name] = max(now, self._reached.get(entry.name, now))
             self._failing.pop(entry.name, None)
             if dispatched is not None:
                 done.append(dispatched)
         return done
 
-    def _due(self, entry: Entry, baseline: datetime, now: datetime) -> datetime | None:
-        """The tick to dispatch now, if any: the latest one, when it falls after ``baseline``
-        and, for ``missed="skip"``, within the grace period."""
-        latest = entry.previous_tick(now)
-        if latest <= baseline:
+    def _due(self, entry: Entry, created: datetime, claims: _Claims, now: datetime) -> datetime | None:
+        """The tick to dispatch now, if any: the latest one at or before ``now``, after the entry
+        was ``created`` and, for ``missed="skip"``, within the grace period, when it is later
+        than every claimed tick, or when it is unclaimed, a later one is claimed (by a scheduler
+        whose clock is ahead) and this scheduler's clock reached it since its previous pass, for
+        the first time."""
+        tick = entry.previous_tick(now)
+        if tick <= created or (entry.missed == "skip" and now - tick > self.grace):
             return None
-        if entry.missed == "skip" and now - latest > self.grace:
-            return None
-        return latest
+        if claims.latest is None or tick > claims.latest:
+            return tick
+        reached = self._reached.get(entry.name)
+        unclaimed = claims.by_now is None or claims.by_now < tick
+        return tick if unclaimed and reached is not None and reached < tick else None
 
     def _refresh_next_run(self, row: Schedule, entry: Entry, now: datetime) -> None:
         """Keep ``next_run`` (for people) ahead of now when a tick was skipped."""
         if row.next_run is None or row.next_run <= now:
             Schedule.objects.using(self.alias).filter(name=row.name).update(next_run=entry.next_tick(now))
 
-    def _redispatch(self, now: datetime) -> list[Dispatched]:
-        """Dispatch again the ticks claimed more than ``REDISPATCH_AFTER`` ago and never marked
-        dispatched (their scheduler died before its push, or the push failed)."""
-        stale = ScheduleTick.objects.using(self.alias).filter(
-            dispatched_at__isnull=True, claimed_at__lt=now - REDISPATCH_AFTER, schedule_id__in=list(self.entries)
+    def _stranded(self, now: datetime) -> QuerySet[ScheduleTick]:
+        """The ticks claimed more than ``REDISPATCH_AFTER`` ago and never marked dispatched
+        (their scheduler died before its push, or the push failed), nor abandoned."""
+        return ScheduleTick.objects.using(self.alias).filter(
+            dispatched_at__isnull=True, abandoned_at__isnull=True, claimed_at__lt=now - REDISPATCH_AFTER
         )
+
+    def _redispatch(self, now: datetime) -> list[Dispatched]:
+        """Dispatch the stranded ticks again, those of entries enabled here and in the database;
+        abandon those of entries the database shows disabled. Others (an entry another
+        scheduler's settings enable, unknown to this one) are left to the schedulers that know them."""
+        stranded = self._stranded(now)
+        for row in stranded.filter(schedule__enabled=False).order_by("claimed_at"):
+            self._abandon(row, now)
+        enabled = [name for name, entry in self.entries.items() if entry.enabled]
         done = []
-        for row in stale.order_by("claimed_at"):
+        for row in stranded.filter(schedule_id__in=enabled, schedule__enabled=True).order_by("claimed_at"):
             entry = self.entries[row.schedule_id]
             try:
                 dispatched = self._dispatch(entry, row.tick, now, manual=row.manual, stale=row)
@@ -208,6 +244,18 @@ class Scheduler:
                 )
                 done.append(dispatched)
         return done
+
+    def _abandon(self, row: ScheduleTick, now: datetime) -> None:
+        """Mark a stranded tick of a disabled entry abandoned (unless another scheduler took it
+        over meanwhile): it is never sent."""
+        if self._stranded(now).filter(pk=row.pk).update(abandoned_at=now):
+            logger.warning(
+                "schedule %r: tick %s was claimed at %s but never dispatched, and the entry is disabled; abandoned it",
+                row.schedule_id,
+                row.tick.isoformat(),
+                row.claimed_at.isoformat(),
+                extra=log_fields(row.job_id or None, None, outcome="abandoned"),
+            )
 
     # -- a manual tick --
 
@@ -241,11 +289,9 @@ class Scheduler:
             with self._transaction(backend):
                 if stale is None:
                     row = ticks.create(schedule_id=entry.name, tick=tick, manual=manual, claimed_at=now, job_id="")
+                elif not self._stranded(now).filter(pk=stale.pk).update(claimed_at=now):
+                    return None  # another scheduler took it over (or abandoned it) first
                 else:
-                    cutoff = now - REDISPATCH_AFTER
-                    taken = ticks.filter(pk=stale.pk, dispatched_at__isnull=True, claimed_at__lt=cutoff)
-                    if not taken.update(claimed_at=now):
-                        return None  # another scheduler took it over first
                     row = stale
                 claimed = True
                 try:

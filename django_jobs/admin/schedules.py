@@ -60,9 +60,14 @@ class TickRow:
 
     @property
     def times(self) -> dict[str, str]:
-        """The tick, its claim and its dispatch, to the second."""
+        """The tick, its claim and its dispatch (or when it was abandoned unsent), to the second."""
         tick = self.tick
-        dispatched = time_text(tick.dispatched_at) if tick.dispatched_at else "not yet"
+        if tick.dispatched_at:
+            dispatched = time_text(tick.dispatched_at)
+        elif tick.abandoned_at:
+            dispatched = f"never (abandoned {time_text(tick.abandoned_at)})"
+        else:
+            dispatched = "not yet"
         return {"tick": time_text(tick.tick), "claimed": time_text(tick.claimed_at), "dispatched": dispatched}
 
 

@@ -103,7 +103,7 @@ def test_a_scheduler_that_read_the_tick_as_due_before_the_other_claimed_it_dispa
     one, two = scheduler(entry()), scheduler(entry())
     now = T0 + MINUTE
     assert len(one.run_pass(now)) == 1
-    monkeypatch.setattr(two, "_due", lambda entry, baseline, now: T0 + MINUTE)  # a stale read
+    monkeypatch.setattr(two, "_due", lambda entry, created, claims, now: T0 + MINUTE)  # a stale read
     assert two.run_pass(now) == []
     assert len(ticks()) == 1 and Job.objects.count() == 1
 
@@ -230,7 +230,8 @@ def test_a_redis_entrys_job_is_pushed_at_commit_then_marked_dispatched(redis_up)
 
 def test_a_claimed_but_undispatched_tick_is_sent_again_under_the_same_key():
     """A scheduler died between its commit and its push: the row stays undispatched."""
-    made = scheduler(entry())
+    hourly = entry(every=3600)  # no other tick falls due meanwhile
+    made = scheduler(hourly)
     tick = T0 + MINUTE
     schedule = Schedule.objects.get(name="report")
     ScheduleTick.objects.create(schedule=schedule, tick=tick, job_id="lost", claimed_at=tick)
@@ -241,7 +242,7 @@ def test_a_claimed_but_undispatched_tick_is_sent_again_under_the_same_key():
     [row] = ticks()
     assert row.job_id == done[0].job_id != "lost" and row.dispatched_at is not None
     assert Job.objects.get(pk=row.job_id).idempotency_key == idempotency_key("report", tick)
-    assert scheduler(entry()).run_pass(now + timedelta(seconds=2)) == []  # sent once
+    assert scheduler(hourly).run_pass(now + timedelta(seconds=2)) == []  # sent once
 
 
 def test_run_now_makes_a_manual_tick_that_leaves_the_schedule_alone():

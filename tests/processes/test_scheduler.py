@@ -40,16 +40,7 @@ import json, os, sys
 from tests import settings
 
 settings.JOBS["SCHEDULE"] = json.loads(os.environ["JOBS_TEST_SCHEDULE"])
-
-
-class SchedulesOnPostgres:
-    def db_for_write(self, model, **hints):
-        return "postgres" if model._meta.model_name in ("schedule", "scheduletick") else None
-
-    db_for_read = db_for_write
-
-
-settings.DATABASE_ROUTERS = [SchedulesOnPostgres()]
+settings.DATABASE_ROUTERS = ["tests.routers.SchedulesOnPostgres"]
 
 from django.core.management import execute_from_command_line
 

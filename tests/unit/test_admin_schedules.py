@@ -197,6 +197,7 @@ def test_schedules_are_read_only(admin_client, rows):
 
 def test_the_page_shows_the_definition_and_the_latest_ticks(admin_client, rows):
     ScheduleTick.objects.create(schedule=rows.nightly, tick=LAST + timedelta(hours=1), job_id="m1", manual=True)
+    ScheduleTick.objects.filter(tick=LAST - timedelta(days=2)).update(dispatched_at=None, abandoned_at=NEXT)
     page = schedule_page(admin_client, "nightly-report")
 
     assert "&quot;daily&quot;: &quot;03:00&quot;" in page and "&quot;full&quot;: true" in page  # pretty JSON
@@ -209,6 +210,7 @@ def test_the_page_shows_the_definition_and_the_latest_ticks(admin_client, rows):
         ["2026-01-03 12:00:07", "scheduled"],
     ]
     assert ticks[0][4] == "not yet" and ticks[2][4] == "2026-01-05 12:00:07"
+    assert ticks[4][4] == "never (abandoned 2026-01-06 12:00:07)"
     link = f'href="{reverse("admin:django_jobs_job_change", args=[rows.job_id])}"'
     section = page.split('id="schedule-ticks"', 1)[1]
     assert section.count(link) == 1  # only the tick whose job has a row links to it

@@ -1,0 +1,16 @@
+"""Database routers for tests (importable before Django is set up: no model imports)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SchedulesOnPostgres:
+    """The schedule tables (``Schedule``, ``ScheduleTick``) on PostgreSQL, where the test settings
+    keep them in the SQLite ``default``: schedulers claim ticks on a server that takes concurrent
+    writers."""
+
+    def db_for_write(self, model: type[Any], **hints: Any) -> str | None:
+        return "postgres" if model._meta.model_name in ("schedule", "scheduletick") else None
+
+    db_for_read = db_for_write
