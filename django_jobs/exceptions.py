@@ -104,6 +104,10 @@ class DispatchCancelled(JobsError):
         return f"dispatch of {self.handler or 'a job'} was cancelled: {self.reason or 'no reason given'}"
 
 
+class BackendUnavailable(JobsError, ConnectionError):
+    """A backend's server could not be reached (its client's error is chained)."""
+
+
 class WorkerLost(JobsError):
     """The lease expired while the job was running: its worker crashed or stalled."""
 
@@ -111,3 +115,8 @@ class WorkerLost(JobsError):
     def describe(expired_at: datetime) -> str:
         """The ``last_error`` of a reaped job."""
         return f"WorkerLost: lease expired at {expired_at.isoformat()} (worker crashed or stalled)"
+
+
+def summary(exc: BaseException) -> str:
+    """``ExceptionClass: message`` on one line (white space folded), for one-line reports."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())

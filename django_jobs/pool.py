@@ -26,7 +26,7 @@ from . import backends
 from .backends.base import Lease
 from .logfields import log_fields
 from .presence import Presence
-from .worker import QueueWorker, WorkerResult
+from .worker import EXIT_UNREACHABLE, QueueWorker, WorkerResult
 
 if TYPE_CHECKING:
     from multiprocessing.sharedctypes import Synchronized
@@ -137,8 +137,9 @@ class WorkerPool:
                 pass
 
     def run(self) -> int:
-        """Supervise until every process has finished. Returns the exit code: 0, or 1 when worker
-        processes kept dying at start-up and the supervisor gave up.
+        """Supervise until every process has finished. Returns the exit code: 0; 1 when worker
+        processes kept dying at start-up and the supervisor gave up; ``EXIT_UNREACHABLE`` when a
+        worker process of a bounded run never reached its backend.
 
         A death at start-up is a process that died before its worker was built (e.g. a backend
         that cannot be constructed). After ``STARTUP_DEATHS`` of them in a row, replacing it again
@@ -151,7 +152,7 @@ class WorkerPool:
         for slot in range(self.concurrency + (self.sidecar is not None)):
             self._spawn(slot)
         quick_deaths = 0
-        gave_up = False
+        gave_up = unreachable = False
         while self.children:
             self._stop_sidecar_when_alone()
             try:
@@ -160,6 +161,7 @@ class WorkerPool:
                 break
             slot, state, started, shared = self.children.pop(pid)
             if state.value == FINISHED:
+                unreachable = unreachable or os.waitstatus_to_exitcode(status) == EXIT_UNREACHABLE
                 continue
             claims = Claims.read(shared)
             if self.stopping or (self.budget is not None and self.budget.exhausted()):
@@ -193,7 +195,7 @@ class WorkerPool:
                 time.sleep(1)  # do not spin if it dies at start-up
             if not self.stopping:
                 self._spawn(slot)
-        return 1 if gave_up else 0
+        return 1 if gave_up else EXIT_UNREACHABLE if unreachable else 0
 
     def _kind(self, slot: int) -> str:
         return self.sidecar.name if self.sidecar is not None and slot == self.concurrency else "worker"
@@ -238,10 +240,10 @@ class WorkerPool:
             _die_with_parent(parent)
             if self.sidecar is not None and slot == self.concurrency:
                 self._run_sidecar(self.sidecar, state, mask)
+                code = 0
             else:
-                self._run_worker(claims, state, mask)
+                code = self._run_worker(claims, state, mask)
             state.value = FINISHED
-            code = 0
         except BaseException:
             logger.exception("%s process crashed", self._kind(slot))
         finally:
@@ -251,8 +253,9 @@ class WorkerPool:
 
     def _run_worker(
         self, claims: ctypes.Array[ctypes.c_char], state: Synchronized[int], mask: set[int | signal.Signals]
-    ) -> None:
-        """A worker process's life, from its start (stop signals still blocked) to its stop."""
+    ) -> int:
+        """A worker process's life, from its start (stop signals still blocked) to its stop;
+        its exit status: 0, or ``EXIT_UNREACHABLE`` when a bounded run never reached the backend."""
         self._worker = worker = self.make_worker()
         worker.in_hand = _recorder(claims)
         state.value = RUNNING
@@ -267,6 +270,8 @@ class WorkerPool:
         if self.on_stop is not None:
             self.on_stop()
         worker.backend.close()  # hands back anything still held for us (a reserved-ahead job)
+        bounded = self.budget is not None or self.run_options["max_time"] is not None or self.run_options["once"]
+        return EXIT_UNREACHABLE if bounded and worker.unreachable is not None else 0
 
     def _run_sidecar(self, sidecar: Sidecar, state: Synchronized[int], mask: set[int | signal.Signals]) -> None:
         """The sidecar process: a stop signal sets its ``stop`` event."""

@@ -23,6 +23,7 @@ from . import conf
 from .backends import get_backend
 from .backends.base import Lease, QueueBackend
 from .batches import Batches
+from .exceptions import summary
 from .heartbeat import Heartbeat
 from .logfields import queues_fields
 from .metrics import MetricsCollector, get_collector
@@ -36,6 +37,9 @@ logger = logging.getLogger("django_jobs.worker")
 
 # Exit status of a worker process ended by a hard timeout (the supervisor restarts it).
 EXIT_HARD_TIMEOUT = 75
+# Exit status of a bounded run (``--once``, ``--max``, ``--max-time``) that never reached its
+# backend (EX_UNAVAILABLE).
+EXIT_UNREACHABLE = 69
 # The longest pause between tries while the backend is unreachable.
 MAX_OUTAGE_PAUSE = 30.0
 
@@ -102,6 +106,7 @@ class QueueWorker:
         exit_on_hard_timeout: bool = False,
         busy_delay: float = 1.0,
         prefetch: int | None = None,
+        tracebacks: bool = False,
     ) -> None:
         self.backend = backend if isinstance(backend, QueueBackend) else get_backend(backend)
         self.queues = list(queues or [conf.default_queue()])
@@ -137,6 +142,10 @@ class QueueWorker:
         # per (queue, outcome), which only ever grow.
         self.current: tuple[str, float] | None = None
         self.tally: dict[tuple[str, Outcome], int] = {}
+        # An unreachable backend is logged in one line per try; ``tracebacks`` adds each one's.
+        self.tracebacks = tracebacks
+        # After ``run``: the error that kept it from ever reaching the backend, if it never did.
+        self.unreachable: Exception | None = None
 
     # -- one delivery --
 
@@ -204,7 +213,7 @@ class QueueWorker:
             reaper.metrics = self.metrics
             self.pipeline.on_backend_error = reaper.backend_failed
         next_reap = time.monotonic() if reaper else math.inf
-        outages = 0
+        outages, reached, self.unreachable = 0, False, None
         self.batching = self.prefetch > 1 and self.backend.can_prefetch()
         self.batches.tickets = limits
         if self.batching:
@@ -221,14 +230,19 @@ class QueueWorker:
                     self._reap(reaper)
                 try:
                     result = self._deliver()
-                except Exception:  # noqa: BLE001 - logged by _outage: the backend is unreachable
+                except Exception as exc:  # noqa: BLE001 - logged by _outage: the backend is unreachable
                     limits.give_back()
                     if reaper is not None:
                         reaper.backend_failed()
                     outages += 1
-                    self._outage(outages, limits.deadline)
+                    if not reached:
+                        self.unreachable = exc
+                    if once:  # one fetch: it failed
+                        self._log_outage(exc, None)
+                        break
+                    self._outage(exc, outages, limits.deadline)
                     continue
-                outages = 0
+                outages, reached, self.unreachable = 0, True, None
                 if result.status is Outcome.EMPTY:
                     limits.give_back()
                     if once:
@@ -283,21 +297,37 @@ class QueueWorker:
         one lease timeout later."""
         try:
             reaper.reap_once()
-        except Exception:
-            logger.exception(
-                "worker: reaping expired leases failed; next try in %gs",
+        except Exception as exc:
+            logger.error(
+                "worker: reaping expired leases failed on %s: %s; next try in %gs",
+                self.backend.where(),
+                summary(exc),
                 self.lease_seconds,
+                exc_info=exc if self.tracebacks else None,
                 extra=queues_fields(self.queues),
             )
             self.backend.reset_connection()
 
-    def _outage(self, failures: int, deadline: float | None) -> None:
+    def _outage(self, exc: Exception, failures: int, deadline: float | None) -> None:
         """The backend is unreachable: keep the worker alive, reconnect and back off."""
         pause = min(2.0 ** (failures - 1), MAX_OUTAGE_PAUSE)
-        logger.exception("worker: backend error; retrying in %gs", pause, extra=queues_fields(self.queues))
+        self._log_outage(exc, pause)
         self.backend.close()
         self.backend.reset_connection()
         self._sleep(pause, deadline)
+
+    def _log_outage(self, exc: Exception, pause: float | None) -> None:
+        """One line naming the backend, its server and the error (and the traceback, with
+        ``tracebacks``)."""
+        then = "giving up" if pause is None else f"retrying in {pause:g}s"
+        logger.error(
+            "worker: %s failed: %s; %s",
+            self.backend.where(),
+            summary(exc),
+            then,
+            exc_info=exc if self.tracebacks else None,
+            extra=queues_fields(self.queues),
+        )
 
     def _idle(self, seconds: float, deadline: float | None) -> None:
         """After an empty fetch: block on the backend where it can, else sleep."""
@@ -306,8 +336,14 @@ class QueueWorker:
         try:
             if self.backend.wait_for_work(self.queues, seconds):
                 return
-        except Exception:
-            logger.warning("worker: waiting for work failed", exc_info=True, extra=queues_fields(self.queues))
+        except Exception as exc:
+            logger.warning(
+                "worker: waiting for work on %s failed: %s",
+                self.backend.where(),
+                summary(exc),
+                exc_info=exc if self.tracebacks else None,
+                extra=queues_fields(self.queues),
+            )
         self._sleep(seconds, deadline)
 
     def _sleep(self, seconds: float, deadline: float | None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple, Protocol
@@ -13,7 +13,15 @@ from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from .. import conf
 from ..envelope import Envelope
-from ..exceptions import AbortNotSupported, DependenciesNotSupported, InvalidPayload, LeaseLost, LimitsNotSupported
+from ..exceptions import (
+    AbortNotSupported,
+    BackendUnavailable,
+    DependenciesNotSupported,
+    InvalidPayload,
+    LeaseLost,
+    LimitsNotSupported,
+    summary,
+)
 from ..limits import Limit, describe, limits_for
 
 # ``Lease.result`` of a run whose value is not kept (``None`` is a value: the job returned it).
@@ -114,9 +122,18 @@ class QueueBackend(ABC):
     # job under a limit at dispatch (``LimitsNotSupported``).
     supports_limits: bool = False
 
+    # Errors of the backend's client that mean its server could not be reached (not a refused
+    # request): a dispatch raises them as ``BackendUnavailable``.
+    unavailable_errors: tuple[type[Exception], ...] = (OSError,)
+
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         self.name = name
         self.options = options
+
+    def where(self) -> str:
+        """The backend and its server, for messages (``backend 'default' (redis at host:6379)``);
+        never connects."""
+        return f"backend {self.name!r} ({type(self).__name__})"
 
     @abstractmethod
     def enqueue(self, envelope: Envelope) -> str:
@@ -391,7 +408,13 @@ class QueueBackend(ABC):
                         f"backend {self.name!r} ({type(self).__name__}) cannot enforce limits: dispatch it to a "
                         "database or Redis backend, or lift the limit"
                     )
-        push: Callable[[], Any] = lambda: self.enqueue_many(envelopes)
+
+        def push() -> None:
+            try:
+                self.enqueue_many(envelopes)
+            except self.unavailable_errors as exc:
+                raise BackendUnavailable(f"{self.where()} is unreachable: {summary(exc)}") from exc
+
         alias = None if self.transactional else atomic_alias()
         if alias is None:
             push()

@@ -59,6 +59,10 @@ class BeanstalkBackend(RequeueByCopy):
         self._tubes: dict[str, _Tube] = {}
         self._lock = threading.Lock()
 
+    def where(self) -> str:
+        host, port = self.address
+        return f"backend {self.name!r} (beanstalkd at {host}:{port})"
+
     def tube_name(self, queue: str) -> str:
         return f"{self.prefix}.{queue}"
 

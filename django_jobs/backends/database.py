@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 from weakref import WeakKeyDictionary
 
-from django.db import DEFAULT_DB_ALIAS, ProgrammingError, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, ProgrammingError, connections, transaction
 from django.db.models import Count, Min, Q
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
@@ -120,6 +120,8 @@ def _new_lease() -> tuple[datetime, str, datetime]:
 class DatabaseBackend(LimitedBackend):
     """Jobs as rows of ``django_jobs_job`` in the database ``OPTIONS["DATABASE"]``."""
 
+    unavailable_errors = (OperationalError, InterfaceError)
+
     supports_priority = True
     supports_dependencies = True
     transactional = True
@@ -159,6 +161,16 @@ class DatabaseBackend(LimitedBackend):
             if not cursor.description:
                 return cursor.rowcount, [] if every_row else None
             return cursor.rowcount, (cursor.fetchall() if every_row else cursor.fetchone())
+
+    def where(self) -> str:
+        db = connections[self.alias].settings_dict
+        vendor = connections[self.alias].vendor
+        at = (
+            db.get("NAME")
+            if vendor == "sqlite"
+            else f"{db.get('HOST') or 'localhost'}:{db.get('PORT') or 'default port'}"
+        )
+        return f"backend {self.name!r} (database {self.alias!r}: {vendor} at {at})"
 
     def _execute_queue(
         self, sql: str, params: list[Any], *, prepare: bool = False, every_row: bool = False, own: bool = False
@@ -592,8 +604,6 @@ class DatabaseBackend(LimitedBackend):
         row is recovered with the global policy. One row's error is logged and counted
         (``jobs_reap_errors``) and never stops the pass.
         """
-        from django.db import InterfaceError, OperationalError
-
         from ..operations import envelope_of  # operations imports this module
         from ..reaper import lost_run
         from ..retry import reaping, trusted_options

@@ -137,6 +137,7 @@ class RedisBackend(LimitedBackend):
 
     limits: redis_limits.RedisLimits
 
+    unavailable_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
     supports_priority = True
     pipelines_ack_fetch = True
     supports_prefetch = True
@@ -173,6 +174,13 @@ class RedisBackend(LimitedBackend):
         if not url:
             raise ImproperlyConfigured(f"redis backend {self.name!r} needs OPTIONS['URL'] or OPTIONS['CACHE']")
         return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+
+    def where(self) -> str:
+        try:
+            address = _address(self.client)  # builds the client; connects on its first command
+        except Exception:  # noqa: BLE001 - a description must not fail
+            address = "?"
+        return f"backend {self.name!r} (redis at {address})"
 
     def close(self) -> None:
         if self._client is not None and not self.options.get("CACHE"):

@@ -37,6 +37,8 @@ from azure.servicebus.exceptions import (
     MessageLockLostError,
     MessageNotFoundError,
     MessageSizeExceededError,
+    ServiceBusCommunicationError,
+    ServiceBusConnectionError,
 )
 from azure.servicebus.management import ServiceBusAdministrationClient
 
@@ -78,6 +80,8 @@ class ServiceBusBackend(RequeueByCopy):
     The queue entities (``PREFIX + queue``) must exist, without sessions.
     """
 
+    unavailable_errors = (ServiceBusConnectionError, ServiceBusCommunicationError, OSError)
+
     supports_priority = False
     native_lease = True
     native_dead_letter = True
@@ -99,6 +103,13 @@ class ServiceBusBackend(RequeueByCopy):
         return f"{self.prefix}{queue}"
 
     # -- connection: one client per backend instance (per process), handlers cached per queue --
+
+    def where(self) -> str:
+        endpoint = str(self.options.get("FULLY_QUALIFIED_NAMESPACE") or "")
+        for part in str(self.options.get("CONNECTION_STRING") or "").split(";"):
+            if part.startswith("Endpoint="):
+                endpoint = part.removeprefix("Endpoint=")
+        return f"backend {self.name!r} (Service Bus at {endpoint or '?'})"
 
     def _endpoint(self) -> tuple[str, bool]:
         """``(CONNECTION_STRING, True)`` or ``(FULLY_QUALIFIED_NAMESPACE, False)``."""

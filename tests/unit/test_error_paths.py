@@ -349,7 +349,7 @@ def test_a_failing_wait_for_work_is_logged_and_the_worker_sleeps_instead(caplog)
         done = worker.run(max_time=0.3, sleep=0.1, reap=False)
     assert done == 0
     assert backend.waits >= 1
-    assert "worker: waiting for work failed" in caplog.text
+    assert "worker: waiting for work on backend 'waitfails'" in caplog.text
     assert "broker went away during wait" in caplog.text
     # It slept between polls instead of spinning on the failing wait.
     assert time.monotonic() - start >= 0.25

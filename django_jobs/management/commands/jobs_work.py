@@ -12,10 +12,11 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_jobs import health, registry, signing
 from django_jobs.backends import get_backend
 from django_jobs.backends.base import QueueBackend
+from django_jobs.exceptions import summary
 from django_jobs.pool import STOP_SIGNALS, Sidecar, WorkerPool
 from django_jobs.reaper import recover_claims
 from django_jobs.scheduler import POLL
-from django_jobs.worker import QueueWorker
+from django_jobs.worker import EXIT_UNREACHABLE, QueueWorker
 
 from . import _report, _validate, jobs_schedule
 
@@ -73,13 +74,14 @@ class Command(BaseCommand):
 
     def work(self, backend: str, queues: list[str], opts: dict[str, Any], limits: dict[str, Any]) -> None:
         """Here (a bounded run of one process), or in a supervised pool of processes."""
-        per_job, prefetch = opts["verbosity"] >= 1, opts["prefetch"]
+        per_job, prefetch, tracebacks = opts["verbosity"] >= 1, opts["prefetch"], opts["verbosity"] >= 2
         scheduler = jobs_schedule.build(POLL, self.stdout, opts["verbosity"]) if opts["with_scheduler"] else None
         if scheduler is None and opts["concurrency"] == 1 and (opts["once"] or opts["max_jobs"] is not None):
-            self.work_here(QueueWorker(backend, queues, exit_on_hard_timeout=True, prefetch=prefetch), limits)
+            worker = QueueWorker(backend, queues, exit_on_hard_timeout=True, prefetch=prefetch, tracebacks=tracebacks)
+            self.work_here(worker, limits)
             return
         pool = WorkerPool(
-            lambda: QueueWorker(backend, queues, prefetch=prefetch),
+            lambda: QueueWorker(backend, queues, prefetch=prefetch, tracebacks=tracebacks),
             opts["concurrency"],
             recover=functools.partial(recover_claims, backend),
             on_start=self.report.restart,
@@ -95,7 +97,10 @@ class Command(BaseCommand):
         if scheduler is not None:
             jobs_schedule.announce(scheduler, self.stdout)
         self.warn_if_not_persistent(backend)
-        if pool.run():
+        code = pool.run()
+        if code == EXIT_UNREACHABLE:
+            raise unreachable(get_backend(backend), None)
+        if code:
             raise CommandError("worker processes keep dying at start-up (see the errors logged above); giving up")
 
     def warn_if_not_persistent(self, backend: QueueBackend | str) -> None:
@@ -126,6 +131,8 @@ class Command(BaseCommand):
             worker.run(**limits)
             if self.report.verbosity >= 1:
                 self.report.stopped()
+            if worker.unreachable is not None:
+                raise unreachable(worker.backend, worker.unreachable)
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, signal.SIG_DFL if handler is None else handler)
@@ -133,3 +140,9 @@ class Command(BaseCommand):
             # connection is the caller's own, perhaps in its transaction: it stays open.
             if not worker.backend.transactional:
                 worker.backend.close()
+
+
+def unreachable(backend: QueueBackend, error: Exception | None) -> CommandError:
+    """A bounded run never reached its backend: exit status ``EXIT_UNREACHABLE``."""
+    why = "" if error is None else f": {summary(error)}"
+    return CommandError(f"never reached {backend.where()}{why}", returncode=EXIT_UNREACHABLE)
