@@ -17,9 +17,10 @@ from django.apps import apps
 from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
-from django.utils.module_loading import autodiscover_modules
+from django.utils.module_loading import module_has_submodule
 
 from . import conf, signing
+from .exceptions import summary
 from .retry import STRATEGIES
 
 # A rule returns why a value is wrong ("must be ..., not ...") or None when it is fine.
@@ -183,9 +184,13 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         problem = signing.keys_problem(getattr(settings, "SECRET_KEY_FALLBACKS", ()))
         if problem:
             errors.append(_error(f"SECRET_KEY_FALLBACKS {problem}", "E011", obj="settings.SECRET_KEY_FALLBACKS"))
-    # _schedule comes after _handlers_and_queues, which imports the jobs modules (@job names).
-    for related in (_backends_and_engines, _strategy, _queues, _cache, _handlers_and_queues, _schedule, _limits):
+    for related in (_backends_and_engines, _strategy, _queues, _cache):
         errors += related(bad)
+    # What follows reads the @job registrations: the jobs modules first, as a worker imports them.
+    unimportable = _import_job_modules(bad, errors)
+    for related in (_handlers_and_queues, _limits):
+        errors += related(bad)
+    errors += _schedule(bad, unimportable)
     return errors
 
 
@@ -196,12 +201,12 @@ def _unknown_keys(user: dict[Any, Any]) -> list[checks.CheckMessage]:
             hint = did_you_mean(key, conf.DEFAULTS)
             if isinstance(key, str) and key.upper() in conf.DEFAULTS and key != key.upper():
                 hint = f"keys are upper case: did you mean {key.upper()!r}?"
-            errors.append(_error(f"unknown key {key!r}; it is ignored", "E009", hint=hint))
+            errors.append(_error(f"unknown key {key!r}", "E009", hint=hint))
     return errors
 
 
 def _backends_and_engines(bad: set[str]) -> list[checks.CheckMessage]:
-    from .backends import engine_class
+    from .backends import ENGINES, engine_class
 
     if "BACKENDS" in bad:
         return []
@@ -216,11 +221,12 @@ def _backends_and_engines(bad: set[str]) -> list[checks.CheckMessage]:
         for key in config:
             if key not in BACKEND_KEYS:
                 hint = did_you_mean(key, BACKEND_KEYS) or "OPTIONS holds the engine's own settings"
-                errors.append(_error(f"BACKENDS[{name!r}] has unknown key {key!r}; it is ignored", "E009", hint=hint))
+                errors.append(_error(f"BACKENDS[{name!r}] has unknown key {key!r}", "E009", hint=hint))
+        engine = config.get("ENGINE", "database")
         try:
-            engine_class(config.get("ENGINE", "database"))
+            engine_class(engine)
         except ImproperlyConfigured as exc:
-            errors.append(_error(f"backend {name!r}: {exc}", "E002"))
+            errors.append(_error(f"backend {name!r}: {exc}", "E002", hint=did_you_mean(engine, ENGINES)))
         except ImportError as exc:
             errors.append(_error(f"backend {name!r}: cannot import its ENGINE: {exc}", "E002"))
     return errors
@@ -250,7 +256,7 @@ def _cache(bad: set[str]) -> list[checks.CheckMessage]:
 def _handlers_and_queues(bad: set[str]) -> list[checks.CheckMessage]:
     from . import registry
 
-    errors = _import_job_modules(bad)  # @job handlers register on import
+    errors: list[checks.CheckMessage] = []
     known_queues = [] if "QUEUES" in bad else list(conf.get("QUEUES"))  # empty: E005 says it
 
     def unknown_queue(queue: Any, where: str, obj: Any = "settings.JOBS") -> None:
@@ -288,13 +294,14 @@ def _handlers_and_queues(bad: set[str]) -> list[checks.CheckMessage]:
     return errors
 
 
-def _schedule(bad: set[str]) -> list[checks.CheckMessage]:
-    """E014: each bad entry of SCHEDULE (bad trigger, time zone or queue, unknown job, ...)."""
+def _schedule(bad: set[str], unimportable: set[str]) -> list[checks.CheckMessage]:
+    """E014: every problem of every entry of SCHEDULE (bad trigger, time zone or queue, unknown
+    job, ...), but not a job of a module that cannot be imported (E013 says why)."""
     from . import schedules
 
     if "SCHEDULE" in bad:
         return []
-    return [_error(problem, "E014") for problem in schedules.errors()]
+    return [_error(problem, "E014") for problem in schedules.errors(unimportable)]
 
 
 def _limits(bad: set[str]) -> list[checks.CheckMessage]:
@@ -327,20 +334,24 @@ def _limits(bad: set[str]) -> list[checks.CheckMessage]:
     return errors
 
 
-def _import_job_modules(bad: set[str]) -> list[checks.CheckMessage]:
-    """What a worker imports before its first fetch: each app's ``jobs`` module, then IMPORTS."""
-    errors = []
-    try:
-        if apps.ready:
-            autodiscover_modules("jobs")
-    except Exception as exc:  # noqa: BLE001 - whatever a module raises at import is the problem to report
-        errors.append(_error(f"an installed app's jobs module cannot be imported: {type(exc).__name__}: {exc}", "E013"))
+def _import_job_modules(bad: set[str], errors: list[checks.CheckMessage]) -> set[str]:
+    """What a worker imports before its first fetch: each app's ``jobs`` module, then IMPORTS.
+    E013 for each that fails, named; returns their names."""
+    failed = set()
+    modules = [f"{app.name}.jobs" for app in apps.get_app_configs() if module_has_submodule(app.module, "jobs")]
+    for module in modules if apps.ready else []:
+        try:
+            import_module(module)
+        except Exception as exc:  # noqa: BLE001 - whatever a module raises at import is the problem to report
+            failed.add(module)
+            errors.append(_error(f"jobs module {module!r} cannot be imported: {summary(exc)}", "E013"))
     for module in [] if "IMPORTS" in bad else conf.get("IMPORTS"):
         try:
             import_module(module)
         except Exception as exc:  # noqa: BLE001 - as above
-            errors.append(_error(f"IMPORTS entry {module!r} cannot be imported: {type(exc).__name__}: {exc}", "E013"))
-    return errors
+            failed.add(module)
+            errors.append(_error(f"IMPORTS entry {module!r} cannot be imported: {summary(exc)}", "E013"))
+    return failed
 
 
 @checks.register(checks.Tags.compatibility)

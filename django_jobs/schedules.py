@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import calendar
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, time, timedelta, tzinfo
 from functools import cached_property
@@ -131,34 +131,47 @@ class Entry:
 
 
 def parse_entry(name: str, raw: Any) -> Entry:
-    """Validate one entry of the setting; raises :class:`ScheduleError`. Whether ``job`` names
-    a registered handler is for :func:`errors` to say (it needs the jobs modules imported)."""
+    """Validate one entry of the setting; raises :class:`ScheduleError` (its first problem).
+    Whether ``job`` names a registered handler is for :func:`errors` to say (it needs the jobs
+    modules imported)."""
+    entry, problems = _parse(name, raw)
+    if entry is None:
+        raise ScheduleError(problems[0])
+    return entry
+
+
+def _parse(name: Any, raw: Any) -> tuple[Entry | None, list[str]]:
+    """The entry, or ``None`` and every problem found in it (not only the first)."""
     where = f"SCHEDULE[{name!r}]"
     if not isinstance(name, str) or not name or len(name) > NAME_MAX_LENGTH:
-        raise ScheduleError(f"SCHEDULE key {name!r} must be a non-empty string of at most {NAME_MAX_LENGTH} characters")
+        return None, [f"SCHEDULE key {name!r} must be a non-empty string of at most {NAME_MAX_LENGTH} characters"]
     if not isinstance(raw, dict):
-        raise ScheduleError(f"{where} must be a dict with 'job' and a trigger, not {conf.describe(raw)}")
+        return None, [f"{where} must be a dict with 'job' and a trigger, not {conf.describe(raw)}"]
+    problems = []
     for key in raw:
         if key not in KEYS:
             hint = did_you_mean(key, KEYS) or f"the keys are {', '.join(KEYS)}"
-            raise ScheduleError(f"{where} has unknown key {key!r} ({hint})")
+            problems.append(f"{where} has unknown key {key!r} ({hint})")
     if "job" not in raw:
-        raise ScheduleError(f"{where} has no 'job': name a @job's dotted path or a JOBS['HANDLERS'] key")
+        problems.append(f"{where} has no 'job': name a @job's dotted path or a JOBS['HANDLERS'] key")
     triggers = [key for key in TRIGGERS if key in raw]
     if len(triggers) != 1:
         found = f"{len(triggers)} ({', '.join(map(repr, triggers))})" if triggers else "none"
-        raise ScheduleError(f"{where} needs exactly one trigger of {', '.join(TRIGGERS)}; it has {found}")
+        problems.append(f"{where} needs exactly one trigger of {', '.join(TRIGGERS)}; it has {found}")
     if "payload" in raw and ("args" in raw or "kwargs" in raw):
-        raise ScheduleError(f"{where} has 'payload' and 'args'/'kwargs': a @job takes args/kwargs, a handler a payload")
+        problems.append(f"{where} has 'payload' and 'args'/'kwargs': a @job takes args/kwargs, a handler a payload")
     values: dict[str, Any] = {}
     for key, value in raw.items():
-        try:
-            values[key] = _FIELDS[key](value)
-        except _Invalid as exc:
-            raise ScheduleError(f"{where}[{key!r}] {exc}") from None
+        if key in _FIELDS:
+            try:
+                values[key] = _FIELDS[key](value)
+            except _Invalid as exc:
+                problems.append(f"{where}[{key!r}] {exc}")
+    if problems:
+        return None, problems
     values.setdefault("timezone", getattr(settings, "TIME_ZONE", None) or "UTC")
     kind = triggers[0]
-    return Entry(name=name, trigger={kind: values.pop(kind)}, **values)
+    return Entry(name=name, trigger={kind: values.pop(kind)}, **values), []
 
 
 def entries() -> dict[str, Entry]:
@@ -167,20 +180,24 @@ def entries() -> dict[str, Entry]:
     return {name: parse_entry(name, raw) for name, raw in _setting().items()}
 
 
-def errors() -> list[str]:
-    """One message per bad entry of ``JOBS["SCHEDULE"]`` (for the system checks). An entry's
+def errors(unimportable: Collection[str] = ()) -> list[str]:
+    """Every problem of every entry of ``JOBS["SCHEDULE"]`` (for the system checks). An entry's
     ``job`` must be registered: import the jobs modules first (``registry.autodiscover()``, or
-    the checks' own import of them), as a worker does before its first fetch."""
+    the checks' own import of them), as a worker does before its first fetch. A job of one of
+    the ``unimportable`` modules is not reported unknown: that module's import error says why."""
     try:
         setting = _setting()
     except ScheduleError as exc:
         return [str(exc)]
     problems = []
     for name, raw in setting.items():
-        try:
-            _check_job(parse_entry(name, raw))
-        except ScheduleError as exc:
-            problems.append(str(exc))
+        entry, found = _parse(name, raw)
+        problems += found
+        if entry is not None and not entry.job.startswith(tuple(f"{module}." for module in unimportable)):
+            try:
+                _check_job(entry)
+            except ScheduleError as exc:
+                problems.append(str(exc))
     return problems
 
 

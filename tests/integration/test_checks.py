@@ -6,6 +6,7 @@ from io import StringIO
 from unittest import mock
 
 import pytest
+from django.conf import settings
 from django.core import checks
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
@@ -184,6 +185,18 @@ def test_unknown_key_with_a_did_you_mean_hint(key, suggestion):
     assert suggestion in error.hint
 
 
+def test_an_unknown_key_is_an_error_that_does_not_claim_to_be_ignored():
+    # A blocking error stops the command: the key is not "ignored", nothing runs.
+    error = only(jobs_errors(QUEUS=["default"]), "django_jobs.E009", "'QUEUS'")
+    assert "ignored" not in error.msg and "'QUEUES'" in error.hint
+
+
+def test_a_misspelt_engine_gets_a_did_you_mean_hint():
+    backends = {"default": {"ENGINE": "databse", "OPTIONS": {}}}
+    error = only(jobs_errors(BACKENDS=backends), "django_jobs.E002", "'databse'")
+    assert error.hint == "did you mean 'database'?"
+
+
 def test_unknown_key_without_a_close_match_still_reported():
     error = only(jobs_errors(COLOUR="blue"), "django_jobs.E009", "'COLOUR'")
     assert error.hint is None
@@ -357,6 +370,15 @@ def test_imports_that_cannot_be_imported():
     only(jobs_errors(IMPORTS=["tests.no_such_module_here"]), "django_jobs.E013", "'tests.no_such_module_here'")
 
 
+def test_an_apps_jobs_module_that_cannot_be_imported_is_named_once_without_knock_on_errors():
+    # Its schedule entry's job is in the failed module: E013 says why, no E014 "unknown job".
+    schedule = {"nightly": {"job": "tests.brokenapp.jobs.send", "daily": "03:00"}}
+    with override_settings(INSTALLED_APPS=[*settings.INSTALLED_APPS, "tests.brokenapp"]):
+        errors = jobs_errors(SCHEDULE=schedule)
+    error = only(errors, "django_jobs.E013", "jobs module 'tests.brokenapp.jobs'", "ModuleNotFoundError")
+    assert "no_such_helpers" in error.msg
+
+
 def test_manage_py_check_reports_settings_that_weaken_security():
     with (
         jobs_settings(SIGNING_KEY_FALLBACKS=[""], ALLOWED_SHELL_COMMANDS="sh -c"),
@@ -383,6 +405,15 @@ def test_a_schedule_naming_an_unknown_job_is_a_check_error():
         "unknown job 'tests.testapp.jobs.scriptd'",
         "did you mean 'tests.testapp.jobs.scripted'?",
     )
+
+
+def test_every_mistake_of_one_entry_is_reported_in_one_run():
+    schedule = {"a": {"job": "tests.testapp.jobs.scripted", "evry": 60, "timezone": "Mars/Olympus", "priority": "hi"}}
+    errors = jobs_errors(SCHEDULE=schedule)
+    assert [e.id for e in errors] == ["django_jobs.E014"] * 4, [e.msg for e in errors]
+    text = "\n".join(e.msg for e in errors)
+    for mistake in ("unknown key 'evry'", "exactly one trigger", "Mars/Olympus", "['priority']"):
+        assert mistake in text, text
 
 
 def test_every_bad_entry_is_reported_and_manage_py_check_fails():

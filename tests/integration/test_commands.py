@@ -293,6 +293,15 @@ def test_jobs_work_says_deferred_for_a_job_that_waits_for_its_lock():
     assert line.split()[0] == "deferred" and "retry" not in line
 
 
+def test_jobs_work_shows_no_attempt_for_a_rejected_message():
+    job_id = scripted.dispatch(action="ok")
+    Job.objects.filter(pk=job_id).update(signature="0" * 64)  # tampered: rejected, never run
+
+    [line] = [line for line in run("jobs_work", "--once").splitlines() if job_id in line]
+
+    assert line.split()[0] == "rejected" and "attempt=" not in line, line
+
+
 def test_jobs_work_warns_under_its_start_line_when_its_redis_keeps_nothing_on_disk(redis_up):
     out, err = StringIO(), StringIO()
     call_command("jobs_work", "--backend", "redis", "--once", stdout=out, stderr=err)

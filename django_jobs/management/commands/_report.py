@@ -79,9 +79,10 @@ class Report:
             retry = f"  retry {result.attempt + 1}/{result.max_runs} in {result.retry_in:.1f}s"
         elif result.hold is not None:  # deferred by a rate or concurrency limit
             retry = f"  {deferral(result.hold)}"
+        attempt = "" if result.attempt is None else f" attempt={result.attempt}"  # a rejection has none
         self._write(
             f"{self._coloured(label, f'{label:<{LABEL_WIDTH}}')} {result.job_id} {result.handler} "
-            f"queue={result.queue} attempt={result.attempt} {result.seconds:.3f}s{retry}{error}"
+            f"queue={result.queue}{attempt} {result.seconds:.3f}s{retry}{error}"
         )
 
     def _coloured(self, label: str, text: str) -> str:

@@ -1,0 +1,1 @@
+"""An installed app whose ``jobs`` module cannot be imported (the checks' tests add it)."""
