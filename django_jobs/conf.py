@@ -60,7 +60,7 @@ DEFAULTS: dict[str, Any] = {
     # The most jobs a worker claims at a time where its backend can claim a batch (database,
     # Redis): about 50 ms of work by the recent jobs' durations. 1: one job at a time.
     "PREFETCH": 100,
-    # Not in the public table: a cap on one encoded message, checked before parsing.
+    # A cap on one encoded message, checked before parsing.
     "MAX_MESSAGE_BYTES": 1024 * 1024,
 }
 
