@@ -121,7 +121,7 @@ class JobsTaskBackend(BaseTaskBackend):  # type: ignore[misc]
                 f"{task.module_path}: a task's arguments must be JSON values (str, int, float, bool, None, "
                 f"lists and dicts with str keys): {exc}"
             ) from exc
-        payload = TaskPayload(args, kwargs, self.alias, timezone.now(), task.run_after)
+        payload = TaskPayload(args, kwargs, self.alias, timezone.now(), task.run_after, task.job_options())
         job_id = task.job_builder(payload.to_json()).dispatch(self.jobs_backend_name)
         result = new_result(task, job_id, TaskResultStatus.READY, payload)
         task_enqueued.send(type(self), task_result=result)

@@ -15,7 +15,7 @@ from django.utils import timezone
 from .. import conf
 from ..envelope import Envelope
 from .compat import TaskError, TaskResult, TaskResultStatus
-from .payload import TaskPayload
+from .payload import JOB_OPTIONS, TaskPayload
 
 if TYPE_CHECKING:
     from ..models import Job, JobAttempt
@@ -180,17 +180,16 @@ def _recorded(record: Record, log: AttemptLog) -> bool:
 
 
 def _recorded_task(task: Any, envelope: Envelope, payload: TaskPayload) -> Any:
-    """``task`` as this job was sent: its queue, priority, backend and options. Not validated
-    again (settings may have changed since), so it is built field by field."""
+    """``task`` as this job was enqueued: its queue, priority, backend, ``run_after`` and the job
+    options it set (one it left to the ``JOBS`` defaults stays ``None``, so the result equals
+    the one ``enqueue()`` returned). Not validated again (settings may have changed since), so
+    it is built field by field."""
     changes = {
         "queue_name": envelope.queue,
         "priority": envelope.priority,
         "backend": payload.backend,
         "run_after": payload.run_after,
-        "max_retries": envelope.max_retries,
-        "timeout": envelope.timeout,
-        "idempotency_key": envelope.idempotency_key,
-        "backoff": envelope.options.get("backoff"),
+        **{name: payload.options.get(name) for name in JOB_OPTIONS},
     }
     copy = object.__new__(type(task))
     for f in fields(task):

@@ -12,6 +12,7 @@ from ..api import BackoffOptions, JobBuilder
 from ..retry import check_delay
 from .compat import InvalidTask, Task
 from .handler import register
+from .payload import JOB_OPTIONS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,6 +54,11 @@ class JobsTask(Task):  # type: ignore[misc]
         ours = {name: value for name, value in ours.items() if value is not None}
         new: JobsTask = replace(task, **ours) if ours else task
         return new
+
+    def job_options(self) -> dict[str, Any]:
+        """The django-jobs options this task sets; the others are left to the ``JOBS`` defaults."""
+        options = {name: getattr(self, name) for name in JOB_OPTIONS}
+        return {name: value for name, value in options.items() if value is not None}
 
     def job_builder(self, payload: object) -> JobBuilder:
         """The job this task sends with ``payload``: its queue, priority and options, with its

@@ -490,3 +490,16 @@ def test_redis_results_come_from_redis_while_live_and_from_the_database_once_fin
 
 def test_peek_is_not_supported_by_default():
     assert get_backend("default").peek("a" * 32) is None
+
+
+# -- conformance with Django's contract ---------------------------------------------------------
+
+
+@DBS
+def test_get_result_equals_the_result_enqueue_returned(backend):
+    with tasks_on(backend):
+        plain_result = t.add.using(backend="t").enqueue(2, y=3)
+        assert task_backends["t"].get_result(plain_result.id) == plain_result
+        tuned = t.flaky.using(backend="t", max_retries=5, timeout=12.5, priority=3).enqueue(fail_times=0)
+        assert task_backends["t"].get_result(tuned.id) == tuned
+        assert (tuned.task.max_retries, tuned.task.timeout, tuned.task.backoff) == (5, 12.5, {"strategy": "none"})
