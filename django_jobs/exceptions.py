@@ -17,6 +17,11 @@ class InvalidPayload(JobsError, ValueError):
     """A message or payload that cannot be encoded or decoded (not JSON, too large, bad shape)."""
 
 
+class InvalidArguments(InvalidPayload, TypeError):
+    """The arguments of a ``@job`` dispatch or a ``@task`` enqueue cannot travel as JSON; the
+    message names the argument. A ``TypeError`` too, as Django documents for a task's arguments."""
+
+
 class BadSignature(JobsError):
     """A message whose HMAC signature is missing or does not verify."""
 

@@ -13,7 +13,7 @@ from django.utils import timezone
 from .. import conf
 from ..backends import backend_config, engine_class, get_backend
 from ..backends.base import QueueBackend
-from ..exceptions import InvalidPayload
+from ..exceptions import InvalidArguments
 from .compat import (
     BaseTaskBackend,
     InvalidTask,
@@ -117,8 +117,11 @@ class JobsTaskBackend(BaseTaskBackend):  # type: ignore[misc]
         try:
             args, kwargs = normalize_json(list(args)), normalize_json(dict(kwargs))
         except (TypeError, ValueError) as exc:
-            raise InvalidPayload(
-                f"{task.module_path}: a task's arguments must be JSON values (str, int, float, bool, None, "
+            named = task.argument_problem({"args": list(args), "kwargs": dict(kwargs)})
+            raise InvalidArguments(
+                f"{named}. {exc}"
+                if named
+                else f"{task.module_path}: a task's arguments must be JSON values (str, int, float, bool, None, "
                 f"lists and dicts with str keys): {exc}"
             ) from exc
         payload = TaskPayload(args, kwargs, self.alias, timezone.now(), task.run_after, task.job_options())

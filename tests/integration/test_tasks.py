@@ -503,3 +503,18 @@ def test_get_result_equals_the_result_enqueue_returned(backend):
         tuned = t.flaky.using(backend="t", max_retries=5, timeout=12.5, priority=3).enqueue(fail_times=0)
         assert task_backends["t"].get_result(tuned.id) == tuned
         assert (tuned.task.max_retries, tuned.task.timeout, tuned.task.backoff) == (5, 12.5, {"strategy": "none"})
+
+
+@pytest.mark.django_db
+def test_a_task_argument_json_cannot_hold_is_a_type_error_naming_the_argument():
+    with pytest.raises(TypeError, match=r"tests\.testapp\.tasks\.add\(\): argument 'x' \(a datetime\)") as refused:
+        t.add.enqueue(timezone.now())
+    assert isinstance(refused.value, InvalidPayload)  # still caught as before, and a ValueError
+    assert isinstance(refused.value, ValueError)
+    with pytest.raises(TypeError, match=r"argument 'args\[1\]' \(a set\)"):
+        t.echo.enqueue(1, {2})
+    with pytest.raises(TypeError, match=r"argument 'key' is not JSON-serialisable: key\['a'\] is nan"):
+        t.echo.enqueue(key={"a": float("nan")})
+    with pytest.raises(TypeError, match=r"scripted\(\): argument 'action' \(a datetime\)"):
+        scripted.dispatch(action=timezone.now())  # a @job argument: the same error
+    assert Job.objects.count() == 0
