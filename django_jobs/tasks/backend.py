@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.apps import apps
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import router
@@ -85,9 +86,13 @@ class JobsTaskBackend(BaseTaskBackend):  # type: ignore[misc]
             raise InvalidTask(f"Queue '{task.queue_name}' is not one of JOBS['QUEUES'] ({', '.join(conf.queues())}).")
 
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
-        """``OPTIONS["backend"]`` names a usable ``JOBS`` backend; ``QUEUES`` are ``JOBS`` queues."""
+        """``django_jobs`` is installed; ``OPTIONS["backend"]`` names a usable ``JOBS`` backend;
+        ``QUEUES`` are ``JOBS`` queues."""
         messages = list(super().check(**kwargs))
         where = f"settings.TASKS[{self.alias!r}]"
+        if not apps.is_installed("django_jobs"):
+            hint = "Add 'django_jobs' to INSTALLED_APPS: its models keep the jobs, their results and history"
+            messages.append(_check_error(f"{where} uses django-jobs, which is not an installed app", "T004", where, hint))
         unknown = sorted(set(self.options) - {"backend"})
         if unknown:
             messages.append(_check_error(f"{where}['OPTIONS'] has unknown keys: {', '.join(unknown)}", "T001", where))

@@ -518,3 +518,11 @@ def test_a_task_argument_json_cannot_hold_is_a_type_error_naming_the_argument():
     with pytest.raises(TypeError, match=r"scripted\(\): argument 'action' \(a datetime\)"):
         scripted.dispatch(action=timezone.now())  # a @job argument: the same error
     assert Job.objects.count() == 0
+
+
+def test_check_says_so_when_django_jobs_is_not_an_installed_app():
+    apps = [app for app in settings.INSTALLED_APPS if app != "django_jobs"]
+    with tasks_on("default") as backend, override_settings(INSTALLED_APPS=apps):
+        messages = backend.check()
+    assert [m.id for m in messages] == ["django_jobs.T004"]
+    assert "django_jobs" in messages[0].hint
