@@ -678,7 +678,7 @@ class DeliveryPipeline:
                 self._history(env, attempt, AttemptOutcome.FAILED, verdict)
             runs = env.attempts + int(verdict.count_run)
             emit(job_dead_lettered, verdict.handler or env.handler, envelope=env, error=verdict.error or "",
-                 attempts=runs)  # fmt: skip
+                 attempts=runs, exception=verdict.exception)  # fmt: skip
 
     def _history(self, env: Envelope, attempt: int, outcome: str, verdict: Verdict, worker: str | None = None) -> None:
         exc = verdict.exception

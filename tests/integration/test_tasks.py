@@ -526,3 +526,14 @@ def test_check_says_so_when_django_jobs_is_not_an_installed_app():
         messages = backend.check()
     assert [m.id for m in messages] == ["django_jobs.T004"]
     assert "django_jobs" in messages[0].hint
+
+
+@pytest.mark.django_db
+def test_djangos_failure_log_line_carries_the_exception(caplog):
+    result = t.doomed.using(max_retries=0).enqueue("the reason")
+    with caplog.at_level("ERROR", logger="django.tasks"):
+        drain(worker("default"))
+    [record] = [r for r in caplog.records if r.name == "django.tasks" and result.id in r.getMessage()]
+    assert "state=FAILED" in record.getMessage()
+    assert record.exc_info is not None and record.exc_info[0] is t.DoomedError
+    assert "DoomedError: the reason" in caplog.text
