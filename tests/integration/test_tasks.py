@@ -35,8 +35,10 @@ from django_jobs.tasks import (
 )
 from django_jobs.worker import QueueWorker
 from tests.api_support import drain, jobs_settings
+from tests.procs import wait_until
 from tests.testapp import tasks as t
 from tests.testapp.jobs import scripted
+from tests.testapp.models import SideEffect
 
 try:
     from django.tasks import task, task_backends
@@ -537,3 +539,25 @@ def test_djangos_failure_log_line_carries_the_exception(caplog):
     assert "state=FAILED" in record.getMessage()
     assert record.exc_info is not None and record.exc_info[0] is t.DoomedError
     assert "DoomedError: the reason" in caplog.text
+
+
+ORDER_ENGINES = [
+    pytest.param("default", id="database-sqlite", marks=pytest.mark.django_db),
+    pytest.param("pg", id="database-postgresql", marks=pytest.mark.django_db(databases=["default", "postgres"])),
+    pytest.param("redis", id="redis", marks=pytest.mark.django_db(transaction=True)),
+]
+
+
+@pytest.mark.parametrize("engine", ORDER_ENGINES)
+def test_tasks_of_equal_priority_and_due_time_run_in_enqueue_order(engine, request):
+    if engine == "redis":
+        request.getfixturevalue("redis_backend")
+    db = {"pg": "postgres"}.get(engine, "default")
+    # One due time for all, ahead (Redis holds them in its delayed set): only the ids order them.
+    due = timezone.now() + timedelta(seconds=0.5)
+    results = [t.record.using(backend=engine, run_after=due).enqueue(f"fifo-{n}", db=db) for n in range(12)]
+    assert [r.id for r in results] == sorted(r.id for r in results)  # time-ordered ids
+    wait_until(lambda: timezone.now() > due, 5, "the due time")
+    drain(QueueWorker(engine, ["default"], prefetch=1))
+    ran = list(SideEffect.objects.using(db).filter(key__startswith="fifo-").order_by("id").values_list("key", flat=True))
+    assert ran == [f"fifo-{n}" for n in range(12)]
