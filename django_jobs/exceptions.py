@@ -45,6 +45,12 @@ class JobAborted(JobsError):
         return f"Aborted by {name} ({kind})" if name else f"Aborted by {requested_by}"
 
 
+class WorkerInterrupted(KeyboardInterrupt):
+    """Raised inside a job when its worker is stopped at once (a second ``SIGINT``): the run is
+    handed back to its queue without counting it. A ``KeyboardInterrupt``, as a Ctrl-C is, and
+    not a ``JobsError``: a job's ``except Exception`` does not swallow it."""
+
+
 class AbortRequested(JobsError):
     """A backend refused to requeue a job (a retry, a deferral, a hand-back) because it was asked
     to abort: the lease is still held, and the worker settles the job ``cancelled`` instead."""

@@ -92,7 +92,9 @@ class JobsTaskBackend(BaseTaskBackend):  # type: ignore[misc]
         where = f"settings.TASKS[{self.alias!r}]"
         if not apps.is_installed("django_jobs"):
             hint = "Add 'django_jobs' to INSTALLED_APPS: its models keep the jobs, their results and history"
-            messages.append(_check_error(f"{where} uses django-jobs, which is not an installed app", "T004", where, hint))
+            messages.append(
+                _check_error(f"{where} uses django-jobs, which is not an installed app", "T004", where, hint)
+            )
         unknown = sorted(set(self.options) - {"backend"})
         if unknown:
             messages.append(_check_error(f"{where}['OPTIONS'] has unknown keys: {', '.join(unknown)}", "T001", where))
