@@ -106,7 +106,8 @@ def result_of(
     else where the router writes it). ``final``: the caller knows the job has finished.
     ``current_worker``: the attempt in progress runs in this process (``host:pid``), which
     starts it now."""
-    log = AttemptLog.read(record.envelope.id, history_alias)
+    # A job that has not run has no attempts to read (an admin retry's earlier ones are not counted).
+    log = AttemptLog.read(record.envelope.id, history_alias) if record.attempts else AttemptLog({})
     state, recorded = record.state, record.attempts
     if state in ("completed", "failed") and not (final or _recorded(record, log)):
         state, recorded = "in_progress", record.attempts - 1  # its worker is still recording it

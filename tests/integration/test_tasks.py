@@ -559,5 +559,7 @@ def test_tasks_of_equal_priority_and_due_time_run_in_enqueue_order(engine, reque
     assert [r.id for r in results] == sorted(r.id for r in results)  # time-ordered ids
     wait_until(lambda: timezone.now() > due, 5, "the due time")
     drain(QueueWorker(engine, ["default"], prefetch=1))
-    ran = list(SideEffect.objects.using(db).filter(key__startswith="fifo-").order_by("id").values_list("key", flat=True))
+    ran = list(
+        SideEffect.objects.using(db).filter(key__startswith="fifo-").order_by("id").values_list("key", flat=True)
+    )
     assert ran == [f"fifo-{n}" for n in range(12)]
