@@ -44,10 +44,14 @@ try:
     from django.tasks import task, task_backends
     from django.tasks.exceptions import TaskResultMismatch
     from django.tasks.signals import task_enqueued, task_finished, task_started
+
+    TASKS_LOGGER = "django.tasks"
 except ImportError:  # Django 5.2: the backport
     from django_tasks import task, task_backends
     from django_tasks.exceptions import TaskResultMismatch
     from django_tasks.signals import task_enqueued, task_finished, task_started
+
+    TASKS_LOGGER = "django_tasks"
 
 DBS = pytest.mark.django_db(databases=["default", "postgres"])
 BACKEND_FIELD = "backend"
@@ -533,9 +537,9 @@ def test_check_says_so_when_django_jobs_is_not_an_installed_app():
 @pytest.mark.django_db
 def test_djangos_failure_log_line_carries_the_exception(caplog):
     result = t.doomed.using(max_retries=0).enqueue("the reason")
-    with caplog.at_level("ERROR", logger="django.tasks"):
+    with caplog.at_level("ERROR", logger=TASKS_LOGGER):
         drain(worker("default"))
-    [record] = [r for r in caplog.records if r.name == "django.tasks" and result.id in r.getMessage()]
+    [record] = [r for r in caplog.records if r.name == TASKS_LOGGER and result.id in r.getMessage()]
     assert "state=FAILED" in record.getMessage()
     assert record.exc_info is not None and record.exc_info[0] is t.DoomedError
     assert "DoomedError: the reason" in caplog.text
