@@ -127,7 +127,7 @@ class WorkerPool:
         self._worker: QueueWorker | None = None
         # Set by the supervisor on a second SIGINT, read by each worker process's handler: the
         # signal that follows means "stop at once", not "finish the job in hand".
-        self._now: Synchronized[int] = multiprocessing.get_context("fork").Value("b", 0, lock=False)
+        self._now: ctypes.c_byte = multiprocessing.get_context("fork").Value("b", 0, lock=False)
 
     def install_signal_handlers(self) -> None:
         """Call before announcing start: from then on a signal means a clean stop, and a SIGINT
@@ -170,8 +170,14 @@ class WorkerPool:
         signal.setitimer(signal.ITIMER_REAL, INTERRUPT_GRACE)
 
     def _kill_stragglers(self, signum: int, frame: FrameType | None) -> None:
-        for pid in list(self.children):
-            logger.error("process %d still runs %gs after the second SIGINT; killing it", pid, INTERRUPT_GRACE)
+        for pid, (slot, *_) in list(self.children.items()):
+            logger.error(
+                "%s process %d (slot %d) still runs %gs after the second SIGINT; killing it",
+                self._kind(slot),
+                pid,
+                slot,
+                INTERRUPT_GRACE,
+            )
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
