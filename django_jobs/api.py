@@ -20,7 +20,14 @@ from . import conf, limits, registry, signing
 from .backends import get_backend
 from .backends.base import QueueBackend
 from .envelope import Envelope, PayloadProblem, a_type, check_keys, dumps_payload, new_id, payload_problem
-from .exceptions import AbortNotSupported, DispatchCancelled, InvalidPayload, UnknownJob, UnknownQueue
+from .exceptions import (
+    AbortNotSupported,
+    DispatchCancelled,
+    InvalidArguments,
+    InvalidPayload,
+    UnknownJob,
+    UnknownQueue,
+)
 from .retry import MAX_DELAY_SECONDS, RetryPolicy, check_delay
 from .signals import emit, job_dispatching
 
@@ -97,6 +104,8 @@ class JobBuilder:
         self._opts: dict[str, Any] = {}
         # The @job function this builder calls, if any: the sender of job_dispatching.
         self._function: JobFunction[Any, Any] | None = None
+        # Names the argument at fault in a refused payload (a @job's or a @task's call).
+        self._argument_problem: Callable[[Any], str | None] | None = None
         # A prepared call (``prepare()``): its arguments are checked against the function's
         # signature when it is built, once it is known whether a parent's result comes first.
         self._check_at_build = False
@@ -106,7 +115,14 @@ class JobBuilder:
         other = JobBuilder(self._handler, self._payload)
         other._opts = dict(self._opts)
         other._function, other._check_at_build = self._function, self._check_at_build
+        other._argument_problem = self._argument_problem
         return other
+
+    def calls(self, argument_problem: Callable[[Any], str | None]) -> JobBuilder:
+        """The payload is a function's call: a refused one raises :class:`InvalidArguments`
+        with what ``argument_problem(payload)`` says of the argument at fault."""
+        self._argument_problem = argument_problem
+        return self
 
     def _set(self, **values: Any) -> JobBuilder:
         self._opts.update(values)
@@ -287,10 +303,10 @@ class JobBuilder:
             check_keys(self._payload, text, str_keyed=0 if self._function is None else 2)
             return text
         except InvalidPayload as exc:
-            named = self._function.argument_problem(self._payload) if self._function is not None else None
+            named = self._argument_problem(self._payload) if self._argument_problem is not None else None
             if named is None:
                 raise
-            raise InvalidPayload(named) from exc
+            raise InvalidArguments(named) from exc
 
     @property
     def backend_name(self) -> str | None:
@@ -565,23 +581,7 @@ class JobFunction(Generic[P, R]):
     def argument_problem(self, payload: Any) -> str | None:
         """Which argument of a refused ``{"args", "kwargs"}`` payload cannot travel as JSON, and
         what to pass instead; ``None`` when no argument is at fault."""
-        try:
-            bound = self.signature.bind(*payload["args"], **payload["kwargs"])
-        except (TypeError, KeyError):
-            return None
-        for name, value in bound.arguments.items():
-            kind = self.signature.parameters[name].kind
-            if kind is inspect.Parameter.VAR_KEYWORD:  # each extra keyword is an argument of its own
-                named = list(value.items())
-            elif kind is inspect.Parameter.VAR_POSITIONAL:
-                named = [(f"{name}[{index}]", item) for index, item in enumerate(value)]
-            else:
-                named = [(name, value)]
-            for label, item in named:
-                problem = payload_problem(item, label)
-                if problem is not None:
-                    return f"{self.key}(): {_describe_argument(label, item, problem)}"
-        return None
+        return argument_problem(self.key, self.signature, payload)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.func(*args, **kwargs)
@@ -647,6 +647,7 @@ class BoundJob(Generic[P, R]):
     def _builder(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> JobBuilder:
         builder = JobBuilder(self.function.key, {"args": list(args), "kwargs": kwargs})
         builder._function = self.function
+        builder.calls(self.function.argument_problem)
         options: JobOptions = {"name": self.function.key, **self.options}
         return builder.options(**options)
 
@@ -658,6 +659,28 @@ class BoundJob(Generic[P, R]):
     def dispatch(self, *args: P.args, **kwargs: P.kwargs) -> str:
         """Enqueue a call; returns the job id."""
         return self.builder(*args, **kwargs).dispatch()
+
+
+def argument_problem(key: str, signature: inspect.Signature, payload: Any) -> str | None:
+    """Which argument of the call ``{"args", "kwargs"}`` of ``key`` (with ``signature``) cannot
+    travel as JSON, and what to pass instead; ``None`` when no argument is at fault."""
+    try:
+        bound = signature.bind(*payload["args"], **payload["kwargs"])
+    except (TypeError, KeyError):
+        return None
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:  # each extra keyword is an argument of its own
+            named = list(value.items())
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            named = [(f"{name}[{index}]", item) for index, item in enumerate(value)]
+        else:
+            named = [(name, value)]
+        for label, item in named:
+            problem = payload_problem(item, label)
+            if problem is not None:
+                return f"{key}(): {_describe_argument(label, item, problem)}"
+    return None
 
 
 def _describe_argument(label: str, value: Any, problem: PayloadProblem) -> str:

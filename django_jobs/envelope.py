@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import uuid
 from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from itertools import chain
@@ -12,11 +11,13 @@ from typing import Any, NamedTuple
 
 from . import conf
 from .exceptions import InvalidPayload
+from .ids import uuid7_hex
 from .signing import SIGNED_FIELDS
 
 
 def new_id() -> str:
-    return uuid.uuid4().hex
+    """A new job id: a time-ordered UUIDv7 in hex (:mod:`~django_jobs.ids`)."""
+    return uuid7_hex()
 
 
 def dumps_payload(payload: Any) -> str:

@@ -17,6 +17,11 @@ class InvalidPayload(JobsError, ValueError):
     """A message or payload that cannot be encoded or decoded (not JSON, too large, bad shape)."""
 
 
+class InvalidArguments(InvalidPayload, TypeError):
+    """The arguments of a ``@job`` dispatch or a ``@task`` enqueue cannot travel as JSON; the
+    message names the argument. A ``TypeError`` too, as Django documents for a task's arguments."""
+
+
 class BadSignature(JobsError):
     """A message whose HMAC signature is missing or does not verify."""
 
@@ -38,6 +43,12 @@ class JobAborted(JobsError):
         ``command`` -> ``Aborted by command``."""
         kind, _, name = requested_by.partition(":")
         return f"Aborted by {name} ({kind})" if name else f"Aborted by {requested_by}"
+
+
+class WorkerInterrupted(KeyboardInterrupt):
+    """Raised inside a job when its worker is stopped at once (a second ``SIGINT``): the run is
+    handed back to its queue without counting it. A ``KeyboardInterrupt``, as a Ctrl-C is, and
+    not a ``JobsError``: a job's ``except Exception`` does not swallow it."""
 
 
 class AbortRequested(JobsError):

@@ -45,6 +45,7 @@ from .exceptions import (
     JobTimeout,
     LeaseLost,
     LimitsNotSupported,
+    WorkerInterrupted,
 )
 from .heartbeat import Heartbeat
 from .idempotency import Claim, IdempotencyGuard
@@ -102,6 +103,10 @@ _LABELS = {
 # The label of a requeue that did not count a run: the job did not run, because its
 # idempotency key or single-instance lock was held by another delivery, or a limit held it.
 DEFERRED = "deferred"
+# The label of a run ended by a stop at once (a second SIGINT): handed back, not counted.
+INTERRUPTED_LABEL = "interrupted"
+# Why: the error it is handed back with.
+INTERRUPTED = "the worker was stopped at once (a second SIGINT); the run was handed back without counting it"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,9 +131,10 @@ class WorkerResult:
     @property
     def label(self) -> str:
         """What people read (:attr:`Outcome.label`); a requeue that counted no run (``retry_in``
-        is set only for a counted one) is ``deferred``."""
+        is set only for a counted one) is ``deferred``, or ``interrupted`` when a stop at once
+        ended its run."""
         if self.status is Outcome.REQUEUED and self.retry_in is None:
-            return DEFERRED
+            return INTERRUPTED_LABEL if isinstance(self.exception, WorkerInterrupted) else DEFERRED
         return Outcome(self.status).label
 
 
@@ -272,6 +278,9 @@ class DeliveryPipeline:
         self.keep_alive: list[Callable[[], None]] = []
         # Told of a lease just before its handler is called (the run loop records the start).
         self.on_start: Callable[[Lease], None] | None = None
+        # The worker is stopping at once (QueueWorker.interrupt): a run does not begin, and one
+        # that ends with an error is handed back without counting it.
+        self.interrupted = False
 
     # -- the pipeline --
 
@@ -464,8 +473,13 @@ class DeliveryPipeline:
             self.on_start(d.lease)
         d.started_at = timezone.now()
         emit(job_started, d.handler, envelope=env, attempt=d.attempt, context=context)
+        error: BaseException | None
         try:
-            error, value = _call(d, context, limit)
+            if self.interrupted:  # stopped at once as it was about to begin
+                limit.end()
+                error, value = WorkerInterrupted(INTERRUPTED), None
+            else:
+                error, value = _call(d, context, limit)
             if error is None and env.options.get("keep_result"):
                 error = _unstorable(value)
         finally:
@@ -475,6 +489,8 @@ class DeliveryPipeline:
         self.metrics.observe("jobs_exec_seconds", seconds, queue=queue)
         if limit.aborted_by is not None:  # the abort reached the run before it ended
             return self._cancelled(d, limit.aborted_by, error, seconds)
+        if error is not None and self.interrupted:
+            return self._interrupted(d, error, seconds)
         if error is None:
             return Verdict(Outcome.ACKED, seconds=seconds, started_at=d.started_at, value=value, handler=d.handler)
         return self._failed(d, error, seconds)
@@ -520,6 +536,22 @@ class DeliveryPipeline:
                 )
                 return False
         return True
+
+    def _interrupted(self, d: Delivery, exc: BaseException, seconds: float) -> Verdict:
+        """A run that a stop at once ended (with :class:`WorkerInterrupted`, or whatever the
+        job raised instead): the job goes back to its queue, due at once, its runs not counted."""
+        if not isinstance(exc, WorkerInterrupted):
+            interrupted = WorkerInterrupted(INTERRUPTED)
+            interrupted.__cause__, exc = exc, interrupted
+        return Verdict(
+            Outcome.REQUEUED,
+            f"WorkerInterrupted: {INTERRUPTED}",
+            count_run=False,
+            seconds=seconds,
+            exception=exc,
+            started_at=d.started_at,
+            handler=d.handler,
+        )
 
     # -- aborting --
 
@@ -705,7 +737,7 @@ class DeliveryPipeline:
                 self._history(env, attempt, AttemptOutcome.FAILED, verdict)
             runs = env.attempts + int(verdict.count_run)
             emit(job_dead_lettered, verdict.handler or env.handler, envelope=env, error=verdict.error or "",
-                 attempts=runs)  # fmt: skip
+                 attempts=runs, exception=verdict.exception)  # fmt: skip
 
     def _history(self, env: Envelope, attempt: int, outcome: str, verdict: Verdict, worker: str | None = None) -> None:
         exc = verdict.exception
@@ -808,10 +840,11 @@ _LEVELS = {
 def _log_result(lease: Lease, result: WorkerResult) -> None:
     """One record per settled delivery, in the words of :attr:`WorkerResult.label`, with the
     :data:`LOG_FIELDS` as attributes (a failure also carries ``last_error``, the whole error)."""
-    level = _LEVELS.get(result.status)
+    label = result.label
+    level = logging.WARNING if label == INTERRUPTED_LABEL else _LEVELS.get(result.status)
     if level is None or not logger.isEnabledFor(level):
         return
-    env, label = lease.envelope, result.label
+    env = lease.envelope
     extra = log_fields(result.job_id, result.queue, result.handler, result.attempt, label)
     first_line = (result.error or "").partition("\n")[0]
     if result.status is Outcome.REJECTED or env is None:
@@ -829,6 +862,8 @@ def _log_result(lease: Lease, result: WorkerResult) -> None:
     elif label == DEFERRED:
         why = f"error before it started: {first_line}" if result.error else deferral(result.hold)
         logger.log(level, "job %s (%s) deferred: %s", env.id, name, why, extra=extra)
+    elif label == INTERRUPTED_LABEL:
+        logger.log(level, "job %s (%s) interrupted: %s", env.id, name, INTERRUPTED, extra=extra)
     elif result.status is Outcome.REQUEUED:
         logger.log(
             level, "job %s (%s) retrying in %gs after run %s: %s",

@@ -2,7 +2,9 @@
 
 Each process runs one job at a time in its main thread, so ``SIGALRM`` timeouts work and a job
 that crashes or wedges its process (``os._exit``, a segfault, a hard timeout) costs one restart,
-never the worker. ``SIGTERM``/``SIGINT`` let every process finish its current job, then exit 0.
+never the worker. ``SIGTERM``/``SIGINT`` let every process finish its current job, then exit 0;
+a ``SIGINT`` while stopping (a second Ctrl-C) stops at once: each process hands the job in hand
+back without counting a run, and one that does not exit within ``INTERRUPT_GRACE`` is killed.
 Each process keeps its row in the workers panel while it runs (:mod:`~django_jobs.presence`).
 """
 
@@ -44,6 +46,9 @@ STARTUP_DEATHS = 5
 # "queue<US>owner token<US>lease token of the job in hand<US>its job id".
 CLAIMS_BYTES = 512
 SEPARATOR = "\x1f"
+# After a second SIGINT, a worker process still running this long (its job stuck where no
+# signal reaches it, or its hand-back held up by the backend) is killed; its job is recovered.
+INTERRUPT_GRACE = 5.0
 
 
 class SharedBudget:
@@ -120,21 +125,61 @@ class WorkerPool:
         self.children: dict[int, tuple[int, Synchronized[int], float, ctypes.Array[ctypes.c_char]]] = {}
         self.stopping = False
         self._worker: QueueWorker | None = None
+        # Set by the supervisor on a second SIGINT, read by each worker process's handler: the
+        # signal that follows means "stop at once", not "finish the job in hand".
+        self._now: ctypes.c_byte = multiprocessing.get_context("fork").Value("b", 0, lock=False)
 
     def install_signal_handlers(self) -> None:
-        """Call before announcing start: from then on a signal means a clean stop."""
+        """Call before announcing start: from then on a signal means a clean stop, and a SIGINT
+        while stopping a stop at once."""
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._worker is not None:  # a worker process: the supervisor says which stop
+            if self._now.value:
+                self._worker.interrupt()  # raises WorkerInterrupted into the job in hand, if any
+            else:
+                self._worker.stop()
+            return
+        if self.stopping and signum == signal.SIGINT:
+            self._stop_now()
+            return
+        if not self.stopping:
+            announce_stop(signum)
+        self._stop()
+
+    def _stop(self) -> None:
+        """Every process finishes its job in hand, then exits."""
         self.stopping = True
-        if self._worker is not None:  # in a child
-            self._worker.stop()
         for pid in list(self.children):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+
+    def _stop_now(self) -> None:
+        """Every process ends its run in hand now (handed back, not counted) and exits; one
+        still running ``INTERRUPT_GRACE`` seconds later is killed, and its job recovered."""
+        if self._now.value:
+            return
+        self._now.value = 1
+        logger.warning("SIGINT again: stopping now; the jobs in hand are interrupted and handed back")
+        for pid in list(self.children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+        signal.signal(signal.SIGALRM, self._kill_stragglers)
+        signal.setitimer(signal.ITIMER_REAL, INTERRUPT_GRACE)
+
+    def _kill_stragglers(self, signum: int, frame: FrameType | None) -> None:
+        for pid, (slot, *_) in list(self.children.items()):
+            logger.error(
+                "%s process %d (slot %d) still runs %gs after the second SIGINT; killing it",
+                self._kind(slot),
+                pid,
+                slot,
+                INTERRUPT_GRACE,
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def run(self) -> int:
         """Supervise until every process has finished. Returns the exit code: 0; 1 when worker
@@ -180,7 +225,7 @@ class WorkerPool:
                     quick_deaths,
                 )
                 gave_up = True
-                self._on_signal(signal.SIGTERM, None)  # stop the others; their jobs finish first
+                self._stop()  # stop the others; their jobs finish first
                 continue
             logger.error(
                 "%s process %d (slot %d) died with status %s; starting a new one",
@@ -195,6 +240,8 @@ class WorkerPool:
                 time.sleep(1)  # do not spin if it dies at start-up
             if not self.stopping:
                 self._spawn(slot)
+        if self._now.value:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # every process is gone: nothing to kill
         return 1 if gave_up else EXIT_UNREACHABLE if unreachable else 0
 
     def _kind(self, slot: int) -> str:
@@ -283,6 +330,14 @@ class WorkerPool:
         if self.stopping:
             stop.set()
         sidecar.run(stop)
+
+
+def announce_stop(signum: int) -> None:
+    """The first stop signal: what happens now, and (for a SIGINT) how to stop at once."""
+    if signum == signal.SIGINT:
+        logger.warning("SIGINT: stopping once the jobs in hand are finished; SIGINT again to stop at once")
+    else:
+        logger.info("%s: stopping once the jobs in hand are finished", signal.Signals(signum).name)
 
 
 class Claims(NamedTuple):

@@ -33,7 +33,8 @@ job_succeeded = Signal()
 #: An attempt failed: ``envelope``, ``attempt``, ``exception``, ``will_retry``. A receiver that
 #: returns ``False`` vetoes the retry; one that returns ``True`` forces it while retries are left.
 job_failed = Signal()
-#: A job failed for good and was kept for audit: ``envelope``, ``error``, ``attempts``.
+#: A job failed for good and was kept for audit: ``envelope``, ``error``, ``attempts``,
+#: ``exception`` (what its last run raised; ``None`` when it failed without raising).
 job_dead_lettered = Signal()
 #: The reaper recovered a lost run: ``job_id``, ``queue``, ``attempt``, ``failed`` (no retries left).
 job_reaped = Signal()

@@ -52,6 +52,13 @@ def _on_alarm(signum: int, frame: FrameType | None) -> None:
         limit.expired()
 
 
+def attempt_running() -> bool:
+    """Main thread: is an attempt running in a block the alarm can interrupt (any attempt of a
+    worker loop)? A signal handler that sees one may raise into it."""
+    limit = _current
+    return limit is not None and limit._state == _RUNNING
+
+
 def install_alarm_handler() -> Callable[[], None]:
     """Install the alarm's handler for a whole worker loop (``QueueWorker.run``), so that its
     attempts need not install one each and an abort can interrupt any of them; returns what

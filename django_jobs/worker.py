@@ -23,13 +23,21 @@ from . import conf
 from .backends import get_backend
 from .backends.base import Lease, QueueBackend
 from .batches import Batches
-from .exceptions import summary
+from .exceptions import WorkerInterrupted, summary
 from .heartbeat import Heartbeat
 from .logfields import queues_fields
 from .metrics import MetricsCollector, get_collector
-from .pipeline import SETTLE_RETRY_PAUSES, DeliveryPipeline, JobContext, Outcome, WorkerResult, format_error
+from .pipeline import (
+    INTERRUPTED,
+    SETTLE_RETRY_PAUSES,
+    DeliveryPipeline,
+    JobContext,
+    Outcome,
+    WorkerResult,
+    format_error,
+)
 from .reaper import Reaper
-from .timeouts import install_alarm_handler
+from .timeouts import attempt_running, install_alarm_handler
 
 __all__ = ["JobContext", "Outcome", "QueueWorker", "WorkerResult", "format_error"]
 
@@ -189,6 +197,19 @@ class QueueWorker:
     def stop(self) -> None:
         """Ask ``run`` to return after the current job (safe to call from a signal handler)."""
         self.stopping = True
+
+    def interrupt(self) -> None:
+        """Stop at once (a second ``SIGINT``): call it from the signal handler, in the main
+        thread. The run in progress ends with :class:`WorkerInterrupted`, raised into it from
+        here, and goes back to its queue without counting a run; a run about to begin does not
+        begin. ``run`` then returns. A job stuck where no signal reaches it (a C call) runs on:
+        a supervisor ends its process (:class:`~django_jobs.pool.WorkerPool`)."""
+        self.stopping = True
+        if self.pipeline.interrupted:
+            return
+        self.pipeline.interrupted = True
+        if attempt_running():
+            raise WorkerInterrupted(INTERRUPTED)
 
     def run(
         self,

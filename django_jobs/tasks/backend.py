@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.apps import apps
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import router
@@ -13,7 +14,7 @@ from django.utils import timezone
 from .. import conf
 from ..backends import backend_config, engine_class, get_backend
 from ..backends.base import QueueBackend
-from ..exceptions import InvalidPayload
+from ..exceptions import InvalidArguments
 from .compat import (
     BaseTaskBackend,
     InvalidTask,
@@ -85,9 +86,15 @@ class JobsTaskBackend(BaseTaskBackend):  # type: ignore[misc]
             raise InvalidTask(f"Queue '{task.queue_name}' is not one of JOBS['QUEUES'] ({', '.join(conf.queues())}).")
 
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
-        """``OPTIONS["backend"]`` names a usable ``JOBS`` backend; ``QUEUES`` are ``JOBS`` queues."""
+        """``django_jobs`` is installed; ``OPTIONS["backend"]`` names a usable ``JOBS`` backend;
+        ``QUEUES`` are ``JOBS`` queues."""
         messages = list(super().check(**kwargs))
         where = f"settings.TASKS[{self.alias!r}]"
+        if not apps.is_installed("django_jobs"):
+            hint = "Add 'django_jobs' to INSTALLED_APPS: its models keep the jobs, their results and history"
+            messages.append(
+                _check_error(f"{where} uses django-jobs, which is not an installed app", "T004", where, hint)
+            )
         unknown = sorted(set(self.options) - {"backend"})
         if unknown:
             messages.append(_check_error(f"{where}['OPTIONS'] has unknown keys: {', '.join(unknown)}", "T001", where))
@@ -117,11 +124,14 @@ class JobsTaskBackend(BaseTaskBackend):  # type: ignore[misc]
         try:
             args, kwargs = normalize_json(list(args)), normalize_json(dict(kwargs))
         except (TypeError, ValueError) as exc:
-            raise InvalidPayload(
-                f"{task.module_path}: a task's arguments must be JSON values (str, int, float, bool, None, "
+            named = task.argument_problem({"args": list(args), "kwargs": dict(kwargs)})
+            raise InvalidArguments(
+                f"{named}. {exc}"
+                if named
+                else f"{task.module_path}: a task's arguments must be JSON values (str, int, float, bool, None, "
                 f"lists and dicts with str keys): {exc}"
             ) from exc
-        payload = TaskPayload(args, kwargs, self.alias, timezone.now(), task.run_after)
+        payload = TaskPayload(args, kwargs, self.alias, timezone.now(), task.run_after, task.job_options())
         job_id = task.job_builder(payload.to_json()).dispatch(self.jobs_backend_name)
         result = new_result(task, job_id, TaskResultStatus.READY, payload)
         task_enqueued.send(type(self), task_result=result)

@@ -51,14 +51,28 @@ class TaskHandler:
         except (TypeError, ValueError) as exc:
             raise InvalidPayload(f"the task's return value cannot be kept as JSON: {exc}") from exc
 
-    def _finished(self, sender: TaskHandler, envelope: Envelope, **kwargs: Any) -> None:
+    def _finished(
+        self, sender: TaskHandler, envelope: Envelope, exception: BaseException | None = None, **kwargs: Any
+    ) -> None:
         try:
             backend = _task_backend(TaskPayload.of(envelope.payload))
         except (InvalidPayload, ImproperlyConfigured):
             return  # not a task's payload: the job was refused before the task could run
         result = backend.recorded_result(envelope.id, final=True)
-        if result is not None:
+        if result is None:
+            return
+        if exception is None:
             task_finished.send(type(backend), task_result=result)
+            return
+        # Django's backends send it in the except block, and its receiver logs sys.exc_info():
+        # the failure log line gets the exception and its traceback from there.
+        traceback = exception.__traceback__
+        try:
+            raise exception
+        except BaseException:  # noqa: BLE001 - it is the task's own, raised again to be handled here
+            task_finished.send(type(backend), task_result=result)
+        finally:
+            exception.__traceback__ = traceback  # as the run left it
 
 
 def _task_backend(payload: TaskPayload) -> JobsTaskBackend:

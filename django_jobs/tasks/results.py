@@ -15,7 +15,7 @@ from django.utils import timezone
 from .. import conf
 from ..envelope import Envelope
 from .compat import TaskError, TaskResult, TaskResultStatus
-from .payload import TaskPayload
+from .payload import JOB_OPTIONS, TaskPayload
 
 if TYPE_CHECKING:
     from ..models import Job, JobAttempt
@@ -106,7 +106,8 @@ def result_of(
     else where the router writes it). ``final``: the caller knows the job has finished.
     ``current_worker``: the attempt in progress runs in this process (``host:pid``), which
     starts it now."""
-    log = AttemptLog.read(record.envelope.id, history_alias)
+    # A job that has not run has no attempts to read (an admin retry's earlier ones are not counted).
+    log = AttemptLog.read(record.envelope.id, history_alias) if record.attempts else AttemptLog({})
     state, recorded = record.state, record.attempts
     if state in ("completed", "failed") and not (final or _recorded(record, log)):
         state, recorded = "in_progress", record.attempts - 1  # its worker is still recording it
@@ -180,17 +181,16 @@ def _recorded(record: Record, log: AttemptLog) -> bool:
 
 
 def _recorded_task(task: Any, envelope: Envelope, payload: TaskPayload) -> Any:
-    """``task`` as this job was sent: its queue, priority, backend and options. Not validated
-    again (settings may have changed since), so it is built field by field."""
+    """``task`` as this job was enqueued: its queue, priority, backend, ``run_after`` and the job
+    options it set (one it left to the ``JOBS`` defaults stays ``None``, so the result equals
+    the one ``enqueue()`` returned). Not validated again (settings may have changed since), so
+    it is built field by field."""
     changes = {
         "queue_name": envelope.queue,
         "priority": envelope.priority,
         "backend": payload.backend,
         "run_after": payload.run_after,
-        "max_retries": envelope.max_retries,
-        "timeout": envelope.timeout,
-        "idempotency_key": envelope.idempotency_key,
-        "backoff": envelope.options.get("backoff"),
+        **{name: payload.options.get(name) for name in JOB_OPTIONS},
     }
     copy = object.__new__(type(task))
     for f in fields(task):

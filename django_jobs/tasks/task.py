@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
 from django.utils import timezone
 
-from ..api import BackoffOptions, JobBuilder
+from ..api import BackoffOptions, JobBuilder, argument_problem
 from ..retry import check_delay
 from .compat import InvalidTask, Task
 from .handler import register
+from .payload import JOB_OPTIONS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,6 +56,19 @@ class JobsTask(Task):  # type: ignore[misc]
         new: JobsTask = replace(task, **ours) if ours else task
         return new
 
+    def job_options(self) -> dict[str, Any]:
+        """The django-jobs options this task sets; the others are left to the ``JOBS`` defaults."""
+        options = {name: getattr(self, name) for name in JOB_OPTIONS}
+        return {name: value for name, value in options.items() if value is not None}
+
+    def argument_problem(self, payload: Any) -> str | None:
+        """Which argument of a refused call (``{"args", "kwargs"}``) cannot travel as JSON, named
+        as for a ``@job`` call; ``None`` when no argument is at fault."""
+        signature = inspect.signature(self.func)
+        if self.takes_context:  # the worker passes the context first
+            signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+        return argument_problem(self.module_path, signature, payload)
+
     def job_builder(self, payload: object) -> JobBuilder:
         """The job this task sends with ``payload``: its queue, priority and options, with its
         result kept."""
@@ -64,6 +79,7 @@ class JobsTask(Task):  # type: ignore[misc]
             # Django's priorities (-100..100, higher first) are django-jobs' own, unchanged.
             .priority(self.priority)
             .keep_result()
+            .calls(self.argument_problem)
         )
         if self.max_retries is not None:
             builder.max_retries(self.max_retries)

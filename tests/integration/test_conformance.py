@@ -9,6 +9,7 @@ raising to the caller, rejection of tampered messages, idempotency — is tested
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 import uuid
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 from django.conf import settings
 from django.db import connections, transaction
+from django.db.models.signals import post_save
 from django.test import override_settings
 from django.utils import timezone
 
@@ -780,6 +782,36 @@ def test_a_stopping_worker_hands_back_the_job_it_leased_ahead(queue_backend, bac
     rest = [fetch(queue_backend).envelope for _ in range(2)]
     assert sorted(env.id for env in rest) == sorted(ids[1:])
     assert [env.attempts for env in rest] == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("moment", "ran"),
+    [(job_started, 0), (post_save, 1)],  # as the run is about to begin; inside it (its side effect's save)
+    ids=["about-to-begin", "running"],
+)
+def test_a_worker_stopped_at_once_hands_back_its_job_uncounted(queue_backend, backend_case, moment, ran):
+    """What a second SIGINT does (``QueueWorker.interrupt`` from a signal handler): the run in
+    hand ends at once (or does not begin) and its job is ready again, no run counted."""
+    require_queue(queue_backend)
+    key = unique()
+    env = enqueue(queue_backend, backend_case, key=key, action="hang")
+    worker = QueueWorker(queue_backend, ["default"], prefetch=1)
+    previous = signal.signal(signal.SIGUSR1, lambda *_: worker.interrupt())
+
+    def send(sender: Any, **kwargs: Any) -> None:
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR1)
+
+    moment.connect(send)
+    try:
+        results: list[Any] = []
+        worker.run(on_result=results.append, reap=False)  # returns: the worker is stopping
+    finally:
+        moment.disconnect(send)
+        signal.signal(signal.SIGUSR1, previous)
+    assert [(r.job_id, r.label, r.attempt) for r in results] == [(env.id, "interrupted", 0)]
+    assert runs(backend_case, key) == ran
+    again = fetch(queue_backend)
+    assert (again.envelope.id, again.envelope.attempts) == (env.id, 0)
 
 
 # -- batches: claimed ahead, acked together (backends with supports_prefetch) --

@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import time
+import uuid
 from dataclasses import fields as dataclass_fields
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -19,7 +21,7 @@ from hypothesis import strategies as st
 
 from django_jobs import Jobs, signing
 from django_jobs.backends import get_backend
-from django_jobs.envelope import Envelope
+from django_jobs.envelope import Envelope, new_id
 from django_jobs.exceptions import BadSignature, InvalidPayload
 
 
@@ -454,3 +456,13 @@ def test_nul_character_in_payload_is_stored_or_refused_clearly_on_postgres(postg
         return
     assert fetched.payload == {"text": "a\x00b"}
     signing.verify(fetched)
+
+
+def test_job_ids_are_uuid7_in_creation_order():
+    ids = [new_id() for _ in range(5000)]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)  # strictly increasing within a process
+    parsed = [uuid.UUID(hex=value) for value in ids]
+    assert {(u.version, u.variant) for u in parsed} == {(7, uuid.RFC_4122)}
+    now_ms = time.time_ns() // 1_000_000
+    assert all(abs((u.int >> 80) - now_ms) < 60_000 for u in (parsed[0], parsed[-1]))  # Unix milliseconds
+    assert len(ids[0]) == 32 and ids[0] == ids[0].lower()

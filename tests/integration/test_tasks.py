@@ -35,17 +35,23 @@ from django_jobs.tasks import (
 )
 from django_jobs.worker import QueueWorker
 from tests.api_support import drain, jobs_settings
+from tests.procs import wait_until
 from tests.testapp import tasks as t
 from tests.testapp.jobs import scripted
+from tests.testapp.models import SideEffect
 
 try:
     from django.tasks import task, task_backends
     from django.tasks.exceptions import TaskResultMismatch
     from django.tasks.signals import task_enqueued, task_finished, task_started
+
+    TASKS_LOGGER = "django.tasks"
 except ImportError:  # Django 5.2: the backport
     from django_tasks import task, task_backends
     from django_tasks.exceptions import TaskResultMismatch
     from django_tasks.signals import task_enqueued, task_finished, task_started
+
+    TASKS_LOGGER = "django_tasks"
 
 DBS = pytest.mark.django_db(databases=["default", "postgres"])
 BACKEND_FIELD = "backend"
@@ -490,3 +496,74 @@ def test_redis_results_come_from_redis_while_live_and_from_the_database_once_fin
 
 def test_peek_is_not_supported_by_default():
     assert get_backend("default").peek("a" * 32) is None
+
+
+# -- conformance with Django's contract ---------------------------------------------------------
+
+
+@DBS
+def test_get_result_equals_the_result_enqueue_returned(backend):
+    with tasks_on(backend):
+        plain_result = t.add.using(backend="t").enqueue(2, y=3)
+        assert task_backends["t"].get_result(plain_result.id) == plain_result
+        tuned = t.flaky.using(backend="t", max_retries=5, timeout=12.5, priority=3).enqueue(fail_times=0)
+        assert task_backends["t"].get_result(tuned.id) == tuned
+        assert (tuned.task.max_retries, tuned.task.timeout, tuned.task.backoff) == (5, 12.5, {"strategy": "none"})
+
+
+@pytest.mark.django_db
+def test_a_task_argument_json_cannot_hold_is_a_type_error_naming_the_argument():
+    with pytest.raises(TypeError, match=r"tests\.testapp\.tasks\.add\(\): argument 'x' \(a datetime\)") as refused:
+        t.add.enqueue(timezone.now())
+    assert isinstance(refused.value, InvalidPayload)  # still caught as before, and a ValueError
+    assert isinstance(refused.value, ValueError)
+    with pytest.raises(TypeError, match=r"argument 'args\[1\]' \(a set\)"):
+        t.echo.enqueue(1, {2})
+    with pytest.raises(TypeError, match=r"argument 'key' is not JSON-serialisable: key\['a'\] is nan"):
+        t.echo.enqueue(key={"a": float("nan")})
+    with pytest.raises(TypeError, match=r"scripted\(\): argument 'action' \(a datetime\)"):
+        scripted.dispatch(action=timezone.now())  # a @job argument: the same error
+    assert Job.objects.count() == 0
+
+
+def test_check_says_so_when_django_jobs_is_not_an_installed_app():
+    apps = [app for app in settings.INSTALLED_APPS if app != "django_jobs"]
+    with tasks_on("default") as backend, override_settings(INSTALLED_APPS=apps):
+        messages = backend.check()
+    assert [m.id for m in messages] == ["django_jobs.T004"]
+    assert "django_jobs" in messages[0].hint
+
+
+@pytest.mark.django_db
+def test_djangos_failure_log_line_carries_the_exception(caplog):
+    result = t.doomed.using(max_retries=0).enqueue("the reason")
+    with caplog.at_level("ERROR", logger=TASKS_LOGGER):
+        drain(worker("default"))
+    [record] = [r for r in caplog.records if r.name == TASKS_LOGGER and result.id in r.getMessage()]
+    assert "state=FAILED" in record.getMessage()
+    assert record.exc_info is not None and record.exc_info[0] is t.DoomedError
+    assert "DoomedError: the reason" in caplog.text
+
+
+ORDER_ENGINES = [
+    pytest.param("default", id="database-sqlite", marks=pytest.mark.django_db),
+    pytest.param("pg", id="database-postgresql", marks=pytest.mark.django_db(databases=["default", "postgres"])),
+    pytest.param("redis", id="redis", marks=pytest.mark.django_db(transaction=True)),
+]
+
+
+@pytest.mark.parametrize("engine", ORDER_ENGINES)
+def test_tasks_of_equal_priority_and_due_time_run_in_enqueue_order(engine, request):
+    if engine == "redis":
+        request.getfixturevalue("redis_backend")
+    db = {"pg": "postgres"}.get(engine, "default")
+    # One due time for all, ahead (Redis holds them in its delayed set): only the ids order them.
+    due = timezone.now() + timedelta(seconds=0.5)
+    results = [t.record.using(backend=engine, run_after=due).enqueue(f"fifo-{n}", db=db) for n in range(12)]
+    assert [r.id for r in results] == sorted(r.id for r in results)  # time-ordered ids
+    wait_until(lambda: timezone.now() > due, 5, "the due time")
+    drain(QueueWorker(engine, ["default"], prefetch=1))
+    ran = list(
+        SideEffect.objects.using(db).filter(key__startswith="fifo-").order_by("id").values_list("key", flat=True)
+    )
+    assert ran == [f"fifo-{n}" for n in range(12)]

@@ -10,6 +10,7 @@ Helpers (starting, signalling, polling with deadlines, killing in ``finally``) l
 from __future__ import annotations
 
 import signal
+import time
 import uuid
 
 import pytest
@@ -281,6 +282,9 @@ def test_stop_signal_finishes_the_running_job_then_exits_0(signum, group):
         worker = procs.worker("--backend", "pg", env=worker_env())
         wait_until(lambda: effects(running_key), 30, "the sleeping job to start")
         worker.send(signum, group=group)
+        if signum == signal.SIGTERM:  # a second SIGTERM changes nothing (only a SIGINT stops at once)
+            time.sleep(0.2)
+            worker.send(signum, group=group)
         assert worker.wait(30) == 0, worker.output()
 
     # The job in hand was finished, not abandoned or interrupted ...
@@ -292,6 +296,55 @@ def test_stop_signal_finishes_the_running_job_then_exits_0(signum, group):
     # ... and no new job was taken after the signal.
     assert job(queued).status == "pending"
     assert effects(queued_key) == []
+
+
+SIGINT_NOTICE = "SIGINT again to stop at once"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("group", "args"),
+    [(False, ()), (True, ()), (False, ("--once",))],
+    ids=["SIGINT-to-supervisor", "SIGINT-to-process-group", "once-in-the-command-process"],
+)
+def test_a_second_sigint_stops_at_once_and_hands_the_running_job_back_uncounted(group, args):
+    key, queued_key = unique("interrupted"), unique("queued")
+    hanging = dispatch("hang", key=key, priority=10)
+    queued = dispatch("ok", key=queued_key)
+    with processes() as procs:
+        worker = procs.worker("--backend", "pg", *args, env=worker_env())
+        wait_until(lambda: effects(key), 30, "the hanging job to start")
+        worker.send(signal.SIGINT, group=group)
+        wait_until(lambda: any(SIGINT_NOTICE in line for line in worker.err), 30, "the first SIGINT's notice")
+        assert worker.alive() and job(hanging).status == "in_progress", worker.output()  # it waits for the job
+        worker.send(signal.SIGINT, group=group)
+        assert worker.wait(20) == 0, worker.output()
+
+    # The run was interrupted and handed back: due again, no run counted, and said so.
+    row = job(hanging)
+    assert (row.status, row.attempts) == ("pending", 0), worker.output()
+    assert row.last_error.startswith("WorkerInterrupted: the worker was stopped at once"), row.last_error
+    assert [line.split()[:2] for line in worker.job_lines()] == [["interrupted", hanging]], worker.output()
+    assert any(f"job {hanging}" in line and "interrupted" in line for line in worker.err), worker.output()
+    assert not Job.objects.using(PG).filter(status="in_progress").exists()
+    assert (len(effects(key)), effects(queued_key), job(queued).status) == (1, [], "pending")
+
+
+@pytest.mark.slow
+def test_a_second_sigint_kills_a_process_whose_job_no_signal_reaches_and_recovers_the_job():
+    key = unique("deaf")
+    stuck = dispatch("hang_masked", key=key, max_retries=1)
+    with processes() as procs:
+        worker = procs.worker("--backend", "pg", env=worker_env())
+        wait_until(lambda: effects(key), 30, "the stuck job to start")
+        worker.send(signal.SIGINT)
+        wait_until(lambda: any(SIGINT_NOTICE in line for line in worker.err), 30, "the first SIGINT's notice")
+        worker.send(signal.SIGINT)
+        assert worker.wait(30) == 0, worker.output()
+    assert any("after the second SIGINT; killing it" in line for line in worker.err), worker.output()
+    row = job(stuck)  # recovered at once as a lost run, as after any death of a worker process
+    assert (row.status, row.attempts) == ("pending", 1), worker.output()
+    assert "WorkerLost" in row.last_error, row.last_error
 
 
 @pytest.mark.slow

@@ -53,7 +53,7 @@ def scripted(
         raise KeyboardInterrupt
     if action == "hang_masked":
         # Like a C call that never returns to the interpreter: no signal can interrupt it.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM, signal.SIGINT})
         time.sleep(3600)
     return action
 

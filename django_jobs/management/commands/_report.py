@@ -2,7 +2,7 @@
 worker process stops.
 
 Lines say what happened in words for people (completed, retrying, deferred, failed, rejected,
-skipped, lost: :attr:`~django_jobs.pipeline.WorkerResult.label`), coloured on a terminal only.
+skipped, lost, interrupted: :attr:`~django_jobs.pipeline.WorkerResult.label`), coloured on a terminal only.
 """
 
 from __future__ import annotations
@@ -19,19 +19,21 @@ from django.core.management.base import OutputWrapper
 from django.core.management.color import no_style
 
 from django_jobs import registry
-from django_jobs.pipeline import DEFERRED, Outcome, deferral
+from django_jobs.pipeline import DEFERRED, INTERRUPTED_LABEL, Outcome, deferral
 from django_jobs.worker import WorkerResult
 
 START_LINE = "django-jobs worker started"
 STOP_LINE = "django-jobs worker stopped"
 # The summary's order: how a run usually goes, then what needs a look.
-LABELS = ("completed", "retrying", DEFERRED, "skipped", "failed", "rejected", "lost")
-LABEL_WIDTH = max(map(len, LABELS))
+LABELS = ("completed", "retrying", DEFERRED, "skipped", "failed", "rejected", "lost", INTERRUPTED_LABEL)
+# The routine labels' width; "interrupted" (the last lines of a stop at once) overflows it.
+LABEL_WIDTH = max(map(len, LABELS[:-1]))
 # Label -> the role of Django's ``Style`` it is coloured with; the others stay plain.
 COLOURS = {
     Outcome.ACKED.label: "SUCCESS",
     Outcome.REQUEUED.label: "WARNING",
     Outcome.LEASE_LOST.label: "WARNING",
+    INTERRUPTED_LABEL: "WARNING",
     Outcome.DEAD_LETTERED.label: "ERROR",
     Outcome.REJECTED.label: "ERROR",
 }

@@ -13,7 +13,7 @@ from django_jobs import health, registry, signing
 from django_jobs.backends import get_backend
 from django_jobs.backends.base import QueueBackend
 from django_jobs.exceptions import summary
-from django_jobs.pool import STOP_SIGNALS, Sidecar, WorkerPool
+from django_jobs.pool import STOP_SIGNALS, Sidecar, WorkerPool, announce_stop
 from django_jobs.reaper import recover_claims
 from django_jobs.scheduler import POLL
 from django_jobs.worker import EXIT_UNREACHABLE, QueueWorker
@@ -120,11 +120,20 @@ class Command(BaseCommand):
         """A bounded run of one process (``--once``, ``--max``) needs no supervisor: the worker
         runs in this process, on its database connections. So ``call_command`` in a test sees
         the test's rows, and the test sees what the jobs did. ``SIGTERM``/``SIGINT`` stop it
-        after the job in hand; a job that ends the process (``os._exit``, a crash, a hard
-        timeout) ends the command with the process's status."""
+        after the job in hand, a ``SIGINT`` while stopping at once (the job in hand is handed
+        back, not counted); a job that ends the process (``os._exit``, a crash, a hard timeout)
+        ends the command with the process's status."""
+
+        def on_signal(signum: int, frame: object) -> None:
+            if signum == signal.SIGINT and worker.stopping:
+                worker.interrupt()  # raises WorkerInterrupted into the job in hand, if any
+            elif not worker.stopping:
+                announce_stop(signum)
+                worker.stop()
+
         # Signal handlers can be set from the main thread only; the previous ones come back after.
         main = threading.current_thread() is threading.main_thread()
-        previous = {signum: signal.signal(signum, lambda *_: worker.stop()) for signum in STOP_SIGNALS} if main else {}
+        previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS} if main else {}
         try:
             self.report.started(worker.backend.name, worker.queues, 1)
             self.warn_if_not_persistent(worker.backend)
