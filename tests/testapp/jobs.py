@@ -65,8 +65,8 @@ def scripted(
 async def scripted_async(action: str = "ok", key: str | None = None, db: str = "default", seconds: float = 0) -> str:
     """The ``async def`` twin of :func:`scripted`, recording its runs with the async ORM: ok |
     raise | sleep (``await asyncio.sleep``; what interrupts it is recorded under
-    ``<key>:interrupted:<exception class>`` before it goes on) | whoami (returns what
-    ``current_job()`` says)."""
+    ``<key>:interrupted:<exception class>`` before it goes on) | block (``time.sleep`` in the
+    coroutine: its loop never runs) | whoami (returns what ``current_job()`` says)."""
     if key:
         await SideEffect.objects.using(db).acreate(key=key, pid=os.getpid())
     if action == "raise":
@@ -77,6 +77,8 @@ async def scripted_async(action: str = "ok", key: str | None = None, db: str = "
         except BaseException as exc:
             await SideEffect.objects.using(db).acreate(key=f"{key}:interrupted:{type(exc).__name__}")
             raise
+    if action == "block":
+        time.sleep(seconds)  # noqa: ASYNC251 - blocking the event loop is the point
     if action == "whoami":
         context = current_job()
         assert context is not None
