@@ -12,11 +12,12 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypedDict, TypeVar, Unpack, cast, overload
 
+from asgiref.sync import markcoroutinefunction
 from django.apps import apps
 from django.core.signals import setting_changed
 from django.utils import timezone
 
-from . import conf, limits, registry, signing
+from . import conf, coroutines, limits, registry, signing
 from .backends import get_backend
 from .backends.base import QueueBackend
 from .envelope import Envelope, PayloadProblem, a_type, check_keys, dumps_payload, new_id, payload_problem
@@ -547,12 +548,21 @@ class JobFunction(Generic[P, R]):
     """A function registered by ``@job``: still callable directly, plus ``dispatch()``.
 
     It keeps the function's signature: ``dispatch()``, ``builder()`` and a direct call take the
-    function's own arguments, and a direct call returns what the function returns."""
+    function's own arguments, and a direct call returns what the function returns (a coroutine,
+    for an ``async def`` function: ``is_async``, and ``iscoroutinefunction()`` says so too)."""
 
     def __init__(self, func: Callable[P, R], options: JobDefinition) -> None:
         functools.update_wrapper(self, func)
         self.func = func
         self.key = f"{func.__module__}.{func.__qualname__}"
+        if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(
+                f"@job cannot run {self.key}: it is a generator function, whose body runs only when "
+                "something iterates it; return a value instead of yielding"
+            )
+        self.is_async = coroutines.is_async(func)
+        if self.is_async:
+            markcoroutinefunction(self)
         defined: Mapping[str, Any] = options
         self.defaults: JobOptions = cast(JobOptions, {k: v for k, v in defined.items() if k not in LIMIT_NAMES})
         limits.declare(self.key, concurrency=options.get("concurrency"), rate=options.get("rate"))

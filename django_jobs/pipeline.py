@@ -18,6 +18,7 @@ What no single delivery may do, whatever it contains:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -31,7 +32,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from django.utils import timezone
 
-from . import conf, history, registry, signing
+from . import conf, coroutines, history, registry, signing
 from .backends.base import Hold, Lease, QueueBackend
 from .current import running_job
 from .envelope import Envelope, dumps_payload
@@ -787,14 +788,17 @@ class _KeyHold:
 
 
 def _call(d: Delivery, context: JobContext, limit: TimeLimit) -> tuple[BaseException | None, Any]:
-    """Run the handler once; return what it raised, or ``None`` and what it returned. Whatever
-    it raises (``SystemExit`` and ``KeyboardInterrupt`` included) is the run's failure, not the
-    worker's end. A forked child of the job that unwinds out of it exits here, so it never
-    becomes a second worker. Meanwhile :func:`~django_jobs.current_job` returns ``context``."""
+    """Run the handler once; return what it raised, or ``None`` and what it returned (an
+    awaitable it returns is run to its end: what that returns). Whatever it raises
+    (``SystemExit`` and ``KeyboardInterrupt`` included) is the run's failure, not the worker's
+    end. A forked child of the job that unwinds out of it exits here, so it never becomes a
+    second worker. Meanwhile :func:`~django_jobs.current_job` returns ``context``."""
     token = running_job.set(context)
     try:
         with limit:
             value = d.handler.handle(context)
+            if inspect.isawaitable(value):  # an async job: it runs now, to its end
+                value = coroutines.run(value, limit)
     except BaseException as exc:  # noqa: BLE001 - see above
         _exit_if_forked(d, exc)
         return exc, None

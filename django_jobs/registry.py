@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 
 
 class Handler(Protocol):
-    """What a worker runs: ``handle(context)``, whose return value is ignored. A handler may also
-    define ``can_retry(attempt, error) -> bool``, which has the last word on retries."""
+    """What a worker runs: ``handle(context)``, whose return value is ignored (an awaitable is
+    run to its end first: ``async def handle`` works). A handler may also define
+    ``can_retry(attempt, error) -> bool``, which has the last word on retries."""
 
     def handle(self, context: JobContext) -> object: ...
 

@@ -3,7 +3,8 @@
 :func:`run_jobs` runs the jobs waiting in a backend's queues in the calling process, through the
 worker's own delivery pipeline (signature check, handler allowlist, guards, retry decision,
 settle), on the caller's database connection: in a ``TestCase`` or a ``django_db`` test it sees
-the rows the test has not committed. It starts no thread and forks no process.
+the rows the test has not committed. It starts no thread (but an ``async def`` job's event loop,
+whose async ORM calls still run here) and forks no process.
 """
 
 from __future__ import annotations

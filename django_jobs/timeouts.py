@@ -8,6 +8,9 @@ which then ends the process; the ``jobs_work`` supervisor starts a fresh one.
 An abort uses the same alarm: once asked (from the heartbeat thread), the alarm goes off within
 the grace and raises :class:`JobAborted` instead; past that, the heartbeat ends the process.
 
+While a coroutine job runs, the alarm raises nothing in this thread: its error goes to
+:attr:`TimeLimit.divert`, which throws it into the coroutine (:mod:`django_jobs.coroutines`).
+
 The alarm costs an attempt nothing it does not need. Only the main thread may install a signal
 handler, and installing one is a large part of a short job's cost, so the handler is installed
 for a whole worker loop (:func:`install_alarm_handler`, whose heartbeat can pass an abort on at any
@@ -84,12 +87,14 @@ class TimeLimit:
     main thread (or without ``setitimer``) it does nothing; an abort then only reaches the job
     through its context, and the heartbeat's hard limit."""
 
-    __slots__ = ("_grace", "_interrupts", "_previous", "_state", "aborted_by", "seconds")
+    __slots__ = ("_grace", "_interrupts", "_previous", "_state", "aborted_by", "divert", "seconds")
 
     def __init__(self, seconds: float | None) -> None:
         self.seconds = seconds if seconds and seconds > 0 else None
         # Who asked to abort the attempt, set only before it ended (:meth:`abort`).
         self.aborted_by: str | None = None
+        # Where the alarm's error goes instead of being raised here (a coroutine job, while it runs).
+        self.divert: Callable[[BaseException], None] | None = None
         self._grace = 0.0
         self._state = _BEFORE
         self._interrupts = False  # the alarm can interrupt this block: its handler is installed
@@ -149,7 +154,14 @@ class TimeLimit:
             return True
 
     def expired(self) -> None:
-        """The alarm went off in the block: raise what ends it."""
+        """The alarm went off in the block: raise what ends it, or hand it to :attr:`divert`."""
         if self.aborted_by is not None:
-            raise JobAborted(f"{JobAborted.describe(self.aborted_by)}: still running after the abort grace")
-        raise JobTimeout(f"attempt exceeded its {self.seconds or 0:g}s timeout")
+            error: BaseException = JobAborted(
+                f"{JobAborted.describe(self.aborted_by)}: still running after the abort grace"
+            )
+        else:
+            error = JobTimeout(f"attempt exceeded its {self.seconds or 0:g}s timeout")
+        if self.divert is not None:
+            self.divert(error)
+            return
+        raise error

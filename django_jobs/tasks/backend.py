@@ -38,7 +38,7 @@ class JobsTaskBackend(BaseTaskBackend):  # type: ignore[misc]
     """
 
     task_class = JobsTask
-    # A coroutine function runs to completion in the worker (asgiref's async_to_sync).
+    # A coroutine function runs to completion in the worker (django_jobs.coroutines).
     supports_async_task = True
 
     @property

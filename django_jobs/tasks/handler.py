@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -34,7 +36,9 @@ class TaskHandler:
 
     def handle(self, context: JobContext) -> Any:
         """Call the task function (with a ``TaskContext`` first when it takes one) and return
-        its value, normalised to JSON as Django does, for the job to keep."""
+        its value, normalised to JSON as Django does, for the job to keep. A coroutine task
+        returns a coroutine that the pipeline runs (:mod:`django_jobs.coroutines`), as any
+        job's."""
         from .. import history
 
         payload = TaskPayload.of(context.payload)
@@ -42,14 +46,14 @@ class TaskHandler:
         record = Record(context.envelope, "in_progress", context.envelope.attempts, claimed_at=timezone.now())
         result = backend.task_result(self.task, record, current_worker=history.worker_id())
         task_started.send(type(backend), task_result=result)
+        # The function itself, not Task.call(), which would run a coroutine on a loop of its own.
         if self.task.takes_context:
-            value = self.task.call(TaskContext(task_result=result), *result.args, **result.kwargs)
+            value = self.task.func(TaskContext(task_result=result), *result.args, **result.kwargs)
         else:
-            value = self.task.call(*result.args, **result.kwargs)
-        try:
-            return normalize_json(value)
-        except (TypeError, ValueError) as exc:
-            raise InvalidPayload(f"the task's return value cannot be kept as JSON: {exc}") from exc
+            value = self.task.func(*result.args, **result.kwargs)
+        if inspect.isawaitable(value):
+            return _kept_when_done(value)
+        return _kept(value)
 
     def _finished(
         self, sender: TaskHandler, envelope: Envelope, exception: BaseException | None = None, **kwargs: Any
@@ -73,6 +77,19 @@ class TaskHandler:
             task_finished.send(type(backend), task_result=result)
         finally:
             exception.__traceback__ = traceback  # as the run left it
+
+
+def _kept(value: Any) -> Any:
+    """A task's return value, normalised to JSON as Django does."""
+    try:
+        return normalize_json(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidPayload(f"the task's return value cannot be kept as JSON: {exc}") from exc
+
+
+async def _kept_when_done(awaitable: Awaitable[Any]) -> Any:
+    """A coroutine task's return value, once the pipeline has run it."""
+    return _kept(await awaitable)
 
 
 def _task_backend(payload: TaskPayload) -> JobsTaskBackend:

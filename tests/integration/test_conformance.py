@@ -26,6 +26,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_jobs import Jobs, history, signing
+from django_jobs.api import JobFunction
 from django_jobs.backends import get_backend
 from django_jobs.backends.base import Lease, QueueBackend
 from django_jobs.envelope import Envelope
@@ -45,7 +46,7 @@ from tests.backend_params import (
     require_hook,
     require_queue,
 )
-from tests.testapp.jobs import scripted
+from tests.testapp.jobs import scripted, scripted_async
 from tests.testapp.models import SideEffect
 
 # -- fixtures: one test per entry of BACKEND_PARAMS --
@@ -77,12 +78,19 @@ def unique(prefix: str = "k") -> str:
 
 
 def make_env(
-    case: BackendCase, *, action: str = "ok", key: str | None = None, queue: str = "default", **options: Any
+    case: BackendCase,
+    *,
+    action: str = "ok",
+    key: str | None = None,
+    queue: str = "default",
+    function: JobFunction[..., Any] = scripted,
+    **options: Any,
 ) -> Envelope:
-    """A signed envelope for the scripted test job, built through the public @job API."""
+    """A signed envelope for the scripted test job (or its ``async def`` twin), built through
+    the public @job API."""
     # Backoff "none" keeps retries due immediately, so tests drive retries without waiting.
     options.setdefault("backoff", {"strategy": "none"})
-    return scripted.using(queue=queue, **options).builder(action=action, key=key, db=case.side_effect_db).build()
+    return function.using(queue=queue, **options).builder(action=action, key=key, db=case.side_effect_db).build()
 
 
 def runs(case: BackendCase, key: str) -> int:
@@ -557,10 +565,14 @@ def test_count_run_false_leaves_attempts_unchanged(queue_backend, backend_case, 
 
 # -- the worker over each backend (these apply to the sync backend too) --
 
+# A job function and its ``async def`` twin (which records its runs with the async ORM).
+FLAVOURS = pytest.mark.parametrize("function", [scripted, scripted_async], ids=["def", "async-def"])
 
-def test_worker_runs_a_job_once_and_acks_it(queue_backend, backend_case):
+
+@FLAVOURS
+def test_worker_runs_a_job_once_and_acks_it(queue_backend, backend_case, function):
     key = unique()
-    env = enqueue(queue_backend, backend_case, key=key)
+    env = enqueue(queue_backend, backend_case, key=key, function=function)
 
     if holds_messages(queue_backend):
         assert runs(backend_case, key) == 0  # nothing runs before a worker fetches it
@@ -576,10 +588,11 @@ def test_worker_runs_a_job_once_and_acks_it(queue_backend, backend_case):
         assert (row.status, row.attempts) == ("completed", 1)
 
 
-def test_worker_retries_then_dead_letters_an_always_failing_job(queue_backend, backend_case):
+@FLAVOURS
+def test_worker_retries_then_dead_letters_an_always_failing_job(queue_backend, backend_case, function):
     key = unique()
     # Never raises to the caller, even on the sync backend where it runs inside enqueue().
-    env = enqueue(queue_backend, backend_case, key=key, action="raise", max_retries=2)
+    env = enqueue(queue_backend, backend_case, key=key, action="raise", max_retries=2, function=function)
 
     if holds_messages(queue_backend):
         assert drain(queue_backend) == ["requeued", "requeued", "dead-lettered"]

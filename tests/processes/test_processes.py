@@ -20,7 +20,7 @@ from django.utils import timezone
 from django_jobs import Jobs
 from django_jobs.models import Job
 from tests.procs import START_LINE, STOP_LINE, pid_alive, processes, wait_until, worker_env
-from tests.testapp.jobs import scripted
+from tests.testapp.jobs import scripted, scripted_async
 from tests.testapp.models import SideEffect
 
 PG = "postgres"
@@ -434,6 +434,33 @@ def test_hard_timeout_settles_a_stuck_job_and_replaces_the_process():
     [stuck_run], [ok_run] = effects(stuck_key), effects(ok_key)
     assert stuck_run.pid != ok_run.pid, "the stuck process must have been replaced"
     assert not pid_alive(stuck_run.pid)
+    assert any("died with status 75" in line for line in worker.err), worker.output()
+
+
+@pytest.mark.slow
+def test_async_jobs_run_to_their_end_under_their_soft_and_hard_timeouts():
+    """``async def`` jobs: one blocks its event loop past its timeout (only the hard timeout ends
+    it, with its process); one awaits past its timeout (JobTimeout reaches it where it awaits,
+    and its process carries on); one writes with the async ORM."""
+    block_key, nap_key, ok_key = unique("async-block"), unique("async-nap"), unique("async")
+    block = scripted_async.using(backend="pg", timeout=0.5, max_retries=0, priority=10).dispatch(
+        action="block", seconds=60, key=block_key, db=PG
+    )
+    nap = scripted_async.using(backend="pg", timeout=0.5, max_retries=0, priority=5).dispatch(
+        action="sleep", seconds=60, key=nap_key, db=PG
+    )
+    ok = scripted_async.using(backend="pg").dispatch(key=ok_key, db=PG)
+    with processes() as procs:
+        worker = procs.worker("--backend", "pg", env=worker_env())
+        wait_until(lambda: settled(block, nap, ok), 30, "the three jobs to settle", interval=0.1)
+        assert worker.stop(signal.SIGTERM) == 0, worker.output()
+
+    assert job(block).last_error.startswith("JobTimeout: attempt exceeded its timeout by 2s and was killed")
+    assert job(nap).last_error.startswith("JobTimeout: attempt exceeded its 0.5s timeout"), job(nap).last_error
+    assert [job(i).status for i in (block, nap, ok)] == ["failed", "failed", "completed"]
+    assert [len(effects(key)) for key in (nap_key, f"{nap_key}:interrupted:JobTimeout", ok_key)] == [1, 1, 1]
+    [blocked], [napped], [done] = effects(block_key), effects(nap_key), effects(ok_key)
+    assert blocked.pid != napped.pid == done.pid, "a soft timeout costs no restart; the hard one does"
     assert any("died with status 75" in line for line in worker.err), worker.output()
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from django_jobs import current_job, job
 from django_jobs.pipeline import JobContext
@@ -56,6 +59,38 @@ def scripted(
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM, signal.SIGINT})
         time.sleep(3600)
     return action
+
+
+@job(queue="default")
+async def scripted_async(action: str = "ok", key: str | None = None, db: str = "default", seconds: float = 0) -> str:
+    """The ``async def`` twin of :func:`scripted`, recording its runs with the async ORM: ok |
+    raise | sleep (``await asyncio.sleep``; what interrupts it is recorded under
+    ``<key>:interrupted:<exception class>`` before it goes on) | block (``time.sleep`` in the
+    coroutine: its loop never runs) | whoami (returns what ``current_job()`` says)."""
+    if key:
+        await SideEffect.objects.using(db).acreate(key=key, pid=os.getpid())
+    if action == "raise":
+        raise RuntimeError("scripted failure")
+    if action == "sleep":
+        try:
+            await asyncio.sleep(seconds)
+        except BaseException as exc:
+            await SideEffect.objects.using(db).acreate(key=f"{key}:interrupted:{type(exc).__name__}")
+            raise
+    if action == "block":
+        time.sleep(seconds)  # noqa: ASYNC251 - blocking the event loop is the point
+    if action == "whoami":
+        context = current_job()
+        assert context is not None
+        return f"{context.job_id}:{context.attempt}"
+    return action
+
+
+@job(queue="default")
+def scripted_later(key: str, db: str = "default") -> Coroutine[Any, Any, str]:
+    """A sync function that returns a coroutine (:func:`scripted_async`'s), as a function that
+    forgot its ``async`` does: the worker runs it too."""
+    return scripted_async(key=key, db=db)
 
 
 @job

@@ -106,6 +106,19 @@ async def async_whoami() -> str:
     return context.job_id
 
 
+@task(timeout=0.2, max_retries=0)
+async def async_nap(key: str, db: str = "default") -> str:
+    """Sleeps far past its timeout; notes ``<key>:<exception class>`` when interrupted, and
+    ``<key>:woke`` if it ever wakes."""
+    try:
+        await asyncio.sleep(30)
+    except BaseException as exc:
+        await SideEffect.objects.using(db).acreate(key=f"{key}:{type(exc).__name__}")
+        raise
+    await SideEffect.objects.using(db).acreate(key=f"{key}:woke")
+    return "woke"
+
+
 def _note(kind: str, task_result: Any) -> None:
     if not task_result.task.module_path.startswith(f"{__name__}."):
         return
