@@ -47,6 +47,12 @@ def uuid7_hex() -> str:
     return f"{value:032x}"
 
 
+def short(job_id: str) -> str:
+    """What a list shows of a job id: its last 8 characters. An id's head is its time, the same
+    for every job sent within a minute or so; its tail is the counter and random bits."""
+    return job_id[-8:]
+
+
 def _after_fork() -> None:
     """A child forked while another thread held the lock would wait for it for ever."""
     global _lock

@@ -21,6 +21,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from .. import operations
+from ..ids import short
 from ..models import FINISHED_STATUSES, Dependency, Job, JobAttempt, JobDashboard, JobStatus, Schedule, Worker
 
 # How much of an error's first line the attempt history and a retry's log message show.
@@ -175,7 +176,7 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.display(description="id", ordering="id")
     def short_id(self, obj: Job) -> SafeString:
-        return format_html('<span title="{}">{}</span>', obj.pk, obj.pk[:8])
+        return format_html('<span title="{}">{}</span>', obj.pk, short(obj.pk))
 
     @admin.display(description="job", ordering="name")
     def label(self, obj: Job) -> SafeString:

@@ -43,6 +43,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from django_jobs import Jobs, operations
+from django_jobs.ids import short
 from django_jobs.models import Job, JobAttempt, Throughput, Worker
 from django_jobs.worker import QueueWorker
 from tests.conftest import require_service
@@ -252,8 +253,8 @@ def test_the_job_admin_in_the_browser(live_server, browser, django_user_model, f
     }
     assert len(colours) == 5
     for full in jobs.values():
-        short = browser.find_element(By.LINK_TEXT, full[:8])
-        assert short.find_element(By.TAG_NAME, "span").get_attribute("title") == full
+        link = browser.find_element(By.LINK_TEXT, short(full))
+        assert link.find_element(By.TAG_NAME, "span").get_attribute("title") == full
     error = browser.find_element(By.CSS_SELECTOR, f"input[value='{jobs['charge']}']").find_element(
         By.XPATH, "ancestor::tr//td[contains(@class, 'field-error_summary')]/span"
     )
@@ -267,7 +268,7 @@ def test_the_job_admin_in_the_browser(live_server, browser, django_user_model, f
     screenshot(browser, "changelist-dark")
 
     # The job page lists the three attempts, oldest first.
-    browser.find_element(By.LINK_TEXT, job_id[:8]).click()
+    browser.find_element(By.LINK_TEXT, short(job_id)).click()
     rows = browser.find_elements(By.CSS_SELECTOR, "#attempt-history tbody.attempt")
     outcomes = [row.find_element(By.CSS_SELECTOR, ".outcome").text for row in rows]
     assert outcomes == ["Retrying", "Retrying", "Failed"]
@@ -333,13 +334,13 @@ def test_a_view_only_staff_user_reads_but_cannot_retry_or_cancel(
     log_in(browser, live_server, "viewer")
 
     # The list, with no action to choose and nothing to select.
-    assert browser.find_element(By.LINK_TEXT, job_id[:8]) and browser.find_element(By.LINK_TEXT, pending[:8])
+    assert browser.find_element(By.LINK_TEXT, short(job_id)) and browser.find_element(By.LINK_TEXT, short(pending))
     assert absent(browser, "[name=action]") and absent(browser, "[name=_selected_action]")
     assert no_horizontal_scroll(browser)
     screenshot(browser, "view-only-changelist")
 
     # The job page, with its history and no button.
-    browser.find_element(By.LINK_TEXT, job_id[:8]).click()
+    browser.find_element(By.LINK_TEXT, short(job_id)).click()
     assert len(browser.find_elements(By.CSS_SELECTOR, "#attempt-history tbody.attempt")) == 2
     assert absent(browser, ".object-tools form") and absent(browser, ".object-tools button")
     screenshot(browser, "view-only-job")

@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from django_jobs import Jobs
 from django_jobs.admin import SUMMARY_CHARS, duration_text, retry_message
+from django_jobs.ids import short
 from django_jobs.models import Job, JobAttempt
 from django_jobs.worker import QueueWorker
 from tests.api_support import drain, runs
@@ -369,7 +370,7 @@ def test_the_list_shows_badges_short_ids_and_times_to_the_second(superuser_clien
     )
     assert cell(page, failed, "label") == 'tests.testapp.jobs.scripted<div class="job-meta">default · default</div>'
     url = reverse("admin:django_jobs_job_change", args=[failed])
-    assert cell(page, failed, "short_id") == f'<a href="{url}"><span title="{failed}">{failed[:8]}</span></a>'
+    assert cell(page, failed, "short_id") == f'<a href="{url}"><span title="{failed}">{short(failed)}</span></a>'
     job = Job.objects.get(pk=failed)
     assert cell(page, failed, "created") == f"{job.created_at:%Y-%m-%d %H:%M:%S}"
     assert cell(page, failed, "error_summary") == (

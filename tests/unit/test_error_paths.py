@@ -491,13 +491,18 @@ def test_did_you_mean_ignores_a_non_string():
 
 
 def test_a_jobs_module_that_fails_to_import_is_check_error_e013(monkeypatch):
-    def broken(name: str) -> None:
-        raise SyntaxError("bad jobs module")
+    real = checks.import_module
 
-    monkeypatch.setattr(checks, "autodiscover_modules", broken)
-    errors = checks._import_job_modules(set())
+    def broken(name: str) -> object:
+        if name == "tests.testapp.jobs":
+            raise SyntaxError("bad jobs module")
+        return real(name)
+
+    monkeypatch.setattr(checks, "import_module", broken)
+    errors: list[Any] = []
+    assert checks._import_job_modules(set(), errors) == {"tests.testapp.jobs"}
     assert [e.id for e in errors] == ["django_jobs.E013"]
-    assert "SyntaxError: bad jobs module" in errors[0].msg
+    assert "jobs module 'tests.testapp.jobs' cannot be imported: SyntaxError: bad jobs module" in errors[0].msg
 
 
 @pytest.mark.django_db
