@@ -133,7 +133,7 @@ def worker_log_counts(fleet: Fleet) -> dict[str, int]:
             except (IndexError, ValueError):
                 pass
     return {
-        "lease_lost_settles": fleet.count_status("lease-lost"),
+        "lease_lost_settles": fleet.count_status("lost"),  # the word jobs_work prints for ``lease-lost``
         "lease_lost_heartbeats": sum(1 for line in err if "lease lost while running" in line),
         "leases_reaped": reaped,
         "backend_error_lines": sum(1 for line in err if "backend error" in line),
