@@ -9,24 +9,25 @@ its lease counts as a run only once its start is recorded, which the worker writ
 batched write, within ``BATCH_SECONDS`` (0.05 s) of the start.
 
 Chaos, every 1.5 s while jobs are unsettled: one worker's process group is SIGSTOPped for
-2 x ``LEASE_TIMEOUT``, then SIGCONTed; one worker is always left awake. Two freezes in three are
-*aimed*: the script waits (up to 1 s) for the worker to be inside a run begun at least 0.15 s
+2 x ``LEASE_TIMEOUT``, then SIGCONTed; one worker is always left awake, and a thawed one is not
+frozen again for 1 s (it first ends the run it held). Two freezes in three are *aimed*: the script waits (up to 1 s) for the worker to be inside a run begun at least 0.15 s
 before (three ack intervals: its start is recorded); the third is *blind*, wherever the worker
 is, which may be within the ack interval after a start (the documented window). The frozen
 lease expires and the other workers' reapers recover it (each worker reaps every
 ``LEASE_TIMEOUT``).
 
-Checked at the end, from the start markers (``chaos_run``: one row per handler call, with the
-attempt number it was given), the side effects and the final states:
+Checked at the end (bench/chaos/stallcheck.py), from the start markers (``chaos_run``: one row
+per handler call, with the attempt number it was given), the side effects and the final states:
 
 - lost: jobs that did not end completed with a side effect, or failed with ``WorkerLost`` (its
   lost runs spent its retries);
+- uncounted re-runs: handler calls of a job that repeat an attempt number (the run before was
+  lost and not counted), each blamed on the freezes that could explain it: one whose worker
+  held one of the calls (the run in hand at the SIGSTOP, or the first begun after the SIGCONT)
+  while another began after the SIGSTOP. ``blind`` if a blind freeze could, ``aimed`` if only an
+  aimed one could, ``unexplained`` if none could;
 - calls over budget: jobs whose handler was called more than ``max_retries + 1`` times, and
   those of them without an uncounted re-run that a blind freeze explains (``_not_blind``);
-- uncounted re-runs: handler calls of a job that repeat an attempt number (the run before was
-  lost and not counted), each attributed to the first freeze of the worker holding one of the
-  calls (the run in hand at the SIGSTOP, or begun just after the SIGCONT) while another began
-  after the SIGSTOP: ``blind``, ``aimed``, or ``unexplained`` when no freeze explains it;
 - the runs the aimed freezes caught: lost and counted (the job failed with ``WorkerLost``, or ran
   again with the next attempt number), lost uncounted (it ran again with the same one), or kept
   (not reaped before the SIGCONT: the run went on and was acked);
@@ -37,8 +38,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections import Counter
-from typing import Any, NamedTuple
+from typing import Any
 
 from .probe import effects_by_job, runs_by_job
 from .scenarios import (
@@ -53,6 +53,7 @@ from .scenarios import (
     worker_health,
     worker_log_counts,
 )
+from .stallcheck import check
 from .workers import Fleet, Incarnation, group_pids
 
 RETRIES = (0, 2)  # the two groups, alternating
@@ -60,17 +61,6 @@ INTERVAL = 1.5  # seconds between freezes
 MIN_RUN_AGE = 0.15  # an aimed freeze catches a run at least this old: three ack intervals
 AIM_FOR = 1.0  # seconds an aimed freeze waits for such a run before it gives up
 BLIND_EVERY = 3  # every third freeze is blind
-SETTLED = 0.1  # seconds after its side effect a run may still wait for its ack (two ack intervals)
-
-
-class Run(NamedTuple):
-    """One handler call: its start marker and its side effect's time (``None``: none written);
-    times relative to the scenario's start."""
-
-    attempt: int
-    pid: int
-    started: float
-    done: float | None
 
 
 def stall(ctx: Context) -> dict[str, Any]:
@@ -178,69 +168,13 @@ def _analyse(
 ) -> dict[str, Any]:
     ids = list(budgets)
     effects = effects_by_job()
-    # A side effect carries its run's start time: the same float as its start marker.
-    done = {(j, a, pid, s): d - origin for j, rows in effects.items() for a, pid, s, d in rows}
-    runs = {
-        j: [Run(a, pid, s - origin, done.get((j, a, pid, s))) for a, pid, s, _x in r]
-        for j, r in runs_by_job(ids).items()
-    }
-    ends = _ends(ctx, ids, effects)
+    markers = {j: [(a, pid, s - origin) for a, pid, s, _x in rows] for j, rows in runs_by_job(ids).items()}
+    relative = {j: [(a, pid, s - origin, d - origin) for a, pid, s, d in effects[j]] for j in ids if j in effects}
+    aimed = [{"at": round(e.t0 - origin, 3), "slot": e.slot, **run._asdict()} for e, run in caught]
     stops = [e.as_dict(origin) for e in events]
-    by_pid: dict[int, list[float]] = {}
-    for job_runs in runs.values():
-        for run in job_runs:
-            by_pid.setdefault(run.pid, []).append(run.started)
-    for starts in by_pid.values():
-        starts.sort()
-
-    # Uncounted re-runs: calls of one job with the same attempt number.
-    causes: Counter[str] = Counter()
-    blind_jobs: set[str] = set()
-    uncounted = []
-    for job_id, job_runs in runs.items():
-        for attempt in sorted({r.attempt for r in job_runs}):
-            same = [r for r in job_runs if r.attempt == attempt]
-            if len(same) < 2:
-                continue
-            cause = _explain(same, stops, by_pid)
-            causes[cause] += len(same) - 1
-            if cause == "blind":
-                blind_jobs.add(job_id)
-            uncounted.append({"job_id": job_id, "attempt": attempt, "cause": cause, "runs": _rounded(same)})
-
-    over = [j for j in ids if len(runs.get(j, [])) > budgets[j] + 1]
-    aimed: Counter[str] = Counter()
-    aimed_log = []
-    for event, frozen_run in caught:
-        outcome = _outcome(frozen_run, event.t0 - origin, runs.get(frozen_run.job_id, []), ends[frozen_run.job_id])
-        aimed[outcome] += 1
-        aimed_log.append(
-            {"at": round(event.t0 - origin, 3), "slot": event.slot, **frozen_run._asdict(), "run": outcome}
-        )
-    lost = [j for j in ids if ends[j] == "lost"]
-    return {
-        "freezes": dict(Counter(e.mode for e in events)),
-        "aimed_runs": {k: aimed[k] for k in ("lost_counted", "lost_uncounted", "kept")},
-        "completed": sum(1 for j in ids if ends[j] == "completed"),
-        "failed_worker_lost": sum(1 for j in ids if ends[j] == "failed_worker_lost"),
-        "lost": len(lost),
-        "lost_ids": [
-            {"id": j, "runs": _rounded(runs.get(j, [])), "effects": len(effects.get(j, []))} for j in lost[:20]
-        ],
-        "handler_calls": sum(len(r) for r in runs.values()),
-        "calls_over_budget": len(over),
-        "calls_over_budget_not_blind": sum(1 for j in over if j not in blind_jobs),
-        "calls_over_budget_detail": [
-            {"id": j, "max_retries": budgets[j], "runs": _rounded(runs[j]), "end": ends[j]} for j in over[:20]
-        ],
-        "uncounted_reruns": sum(causes.values()),
-        "uncounted_reruns_by_cause": dict(causes),
-        "uncounted_reruns_not_blind": sum(v for k, v in causes.items() if k != "blind"),
-        "uncounted_detail": uncounted[:30],
-        "origin_epoch": origin,
-        "event_log": stops,
-        "aimed_log": aimed_log,
-    }
+    result = check(budgets, markers, relative, _ends(ctx, ids, effects), stops, aimed)
+    result["origin_epoch"] = origin
+    return result
 
 
 def _ends(ctx: Context, ids: list[str], effects: dict[str, Any]) -> dict[str, str]:
@@ -258,39 +192,3 @@ def _ends(ctx: Context, ids: list[str], effects: dict[str, Any]) -> dict[str, st
         else:
             ends[job_id] = "lost"
     return ends
-
-
-def _explain(same: list[Run], stops: list[dict[str, Any]], by_pid: dict[int, list[float]]) -> str:
-    """Which freezes could explain calls of one job with one attempt number: ``blind`` if a
-    blind one could, else ``aimed`` if an aimed one could, else ``unexplained``. A freeze could
-    when its worker held one of the calls while another call began after the SIGSTOP. It held
-    the call in hand at the SIGSTOP (its latest start, its side effect not written, or written
-    within ``SETTLED`` before: its ack may wait that long), or the first one it began after the
-    SIGCONT (frozen after its lease check, before its start marker)."""
-    modes = set()
-    for stop in stops:
-        for run in same:
-            starts = by_pid.get(run.pid, [])
-            if run.started <= stop["at"]:
-                in_hand = not any(run.started < s <= stop["at"] for s in starts)
-                held = in_hand and (run.done is None or run.done >= stop["at"] - SETTLED)
-            else:
-                first = not any(stop["at"] < s < run.started for s in starts)
-                held = first and run.started <= stop["until"] + 0.5
-            if run.pid in stop["pids"] and held and any(o.started > stop["at"] for o in same if o is not run):
-                modes.add(stop["mode"])
-    return "blind" if "blind" in modes else "aimed" if "aimed" in modes else "unexplained"
-
-
-def _outcome(frozen: FrozenRun, at: float, job_runs: list[Run], end: str) -> str:
-    """What became of the run an aimed freeze caught (at ``at``)."""
-    after = [r for r in job_runs if r.started > at]
-    if any(r.attempt == frozen.attempt for r in after):
-        return "lost_uncounted"
-    if after or end == "failed_worker_lost":
-        return "lost_counted"
-    return "kept"
-
-
-def _rounded(runs: list[Run]) -> list[dict[str, Any]]:
-    return [{"attempt": r.attempt, "pid": r.pid, "started": round(r.started, 3)} for r in runs]
