@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """The chaos battery (issue 5): crash recovery, poison jobs, a tamper flood, graceful shutdown,
-a soak, database restarts, and chains and groups under worker kills (``flows``; skipped on a
-backend without dependencies), against real ``jobs_work`` processes on one backend. Prints JSON
-on stdout.
+a soak, database restarts, chains and groups under worker kills (``flows``; skipped on a
+backend without dependencies), and workers frozen past their lease mid-run with batches on
+(``stall``), against real ``jobs_work`` processes on one backend. Prints JSON on stdout.
 
     python bench/chaos_battery.py --backend postgres|redis|beanstalk \\
-        --scenario crash|poison|tamper|shutdown|soak|dbrestart|flows|all[,...] [--jobs N] [--seconds S] [--short]
+        --scenario crash|poison|tamper|shutdown|soak|dbrestart|flows|stall|all[,...] [--jobs N] [--seconds S] [--short]
 
 What it sets up (and tears down):
 - a PRIVATE PostgreSQL server (initdb into a temp dir, ``postgres`` on a free loopback port, as
@@ -47,7 +47,7 @@ REPO = HERE.parent
 # Run as a script: import bench.chaos.* and django_jobs from the repository root.
 sys.path.insert(0, str(REPO))
 
-ORDER = ("crash", "poison", "tamper", "shutdown", "soak", "dbrestart", "flows")
+ORDER = ("crash", "poison", "tamper", "shutdown", "soak", "dbrestart", "flows", "stall")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,18 +56,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--scenario",
         default="all",
-        help="crash, poison, tamper, shutdown, soak, dbrestart, flows, all, or a comma-separated list",
+        help="crash, poison, tamper, shutdown, soak, dbrestart, flows, stall, all, or a comma-separated list",
     )
     parser.add_argument(
         "--jobs",
         type=int,
         help="jobs per scenario (crash 5000, poison 1000, tamper 10000 good + as many bad; --short: 300); "
-        "flows: the number of chains (default 200, --short 60; groups: a quarter as many)",
+        "flows: the number of chains (default 200, --short 60; groups: a quarter as many); stall 1000, --short 90",
     )
     parser.add_argument("--seconds", type=float, help="soak duration (default 600; --short: 30)")
     parser.add_argument("--short", action="store_true", help="small sizes (crash 300 jobs, soak 30 s, ...)")
     parser.add_argument(
-        "--job-ms", type=float, help="sleep of a healthy job in ms (default 5; crash --short: 50; flows 20, --short 50)"
+        "--job-ms",
+        type=float,
+        help="sleep of a healthy job in ms (default 5; crash --short: 50; flows 20, --short 50; "
+        "stall: from it to twice it, default 150)",
     )
     parser.add_argument("--lease", type=float, default=2.0, help="LEASE_TIMEOUT in seconds (default 2)")
     parser.add_argument("--seed", type=int, default=None, help="random seed (targets of kills and stops)")

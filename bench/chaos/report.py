@@ -220,6 +220,8 @@ def rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             ]
     if "flows" in s:
         out += _flows_rows(s["flows"])
+    if "stall" in s:
+        out += _stall_rows(s["stall"])
     out.append(("seconds per scenario", ", ".join(f"{k} {v:g}" for k, v in secs.items())))
     return out
 
@@ -283,6 +285,47 @@ def _flows_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
             "flows: worker crashes; leases left; exit codes on SIGTERM",
             f"{f['worker_crashes']}; {f['leases_left']}; {sorted(set(f['exit_codes_on_sigterm'].values()))}",
         ),
+    ]
+
+
+def _stall_rows(t: dict[str, Any]) -> list[tuple[str, str]]:
+    groups, (low, high), freezes, aimed = t["jobs_by_max_retries"], t["job_ms"], t["freezes"], t["aimed_runs"]
+    causes = ", ".join(f"{k} {v}" for k, v in sorted(t["uncounted_reruns_by_cause"].items())) or "none"
+    log = t["worker_log"]
+    return [
+        (
+            "stall: jobs (max_retries 0 / 2); job sleep / lease / freeze",
+            (
+                f"{t['jobs']} ({groups['0']} / {groups['2']}); {low:g}-{high:g} ms / {t['lease_timeout']:g} s / "
+                f"{t['freeze_s']:g} s"
+            ),
+        ),
+        (
+            f"stall: freezes aimed (runs >= {t['min_run_age_s']:g} s old) / blind; aimed that found no run",
+            f"{freezes.get('aimed', 0)} / {freezes.get('blind', 0)}; {t['aimed_missed']}",
+        ),
+        (
+            "stall: aimed freezes' runs: lost and counted / **lost uncounted** / kept",
+            f"{aimed['lost_counted']} / **{aimed['lost_uncounted']}** / {aimed['kept']}",
+        ),
+        (
+            "stall: **jobs lost** (completed; failed `WorkerLost`)",
+            f"**{t['lost']}** of {t['jobs']} ({t['completed']}; {t['failed_worker_lost']})",
+        ),
+        (
+            "stall: **uncounted re-runs not explained by a blind freeze** (all, by cause)",
+            f"**{t['uncounted_reruns_not_blind']}** ({t['uncounted_reruns']}: {causes})",
+        ),
+        (
+            "stall: **jobs called over max_retries + 1 times, not by a blind freeze** (all)",
+            f"**{t['calls_over_budget_not_blind']}** ({t['calls_over_budget']})",
+        ),
+        ("stall: handler calls; leases reaped", f"{t['handler_calls']}; {log['leases_reaped']}"),
+        (
+            "stall: worker crashes; leases left; exit codes on SIGTERM",
+            f"{t['worker_crashes']}; {t['leases_left']}; {sorted(set(t['exit_codes_on_sigterm'].values()))}",
+        ),
+        ("stall: wall", f"{t['wall_s']:g} s"),
     ]
 
 

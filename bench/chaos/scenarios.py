@@ -1,4 +1,4 @@
-"""The seven scenarios of the chaos battery. Each returns a JSON-able dict of figures.
+"""The eight scenarios of the chaos battery. Each returns a JSON-able dict of figures.
 
 Times are ``time.time()`` (the workers stamp their runs with the same clock); figures given
 relative to a run's start are in seconds.
@@ -6,6 +6,7 @@ relative to a run's start are in seconds.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -15,7 +16,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.test import override_settings
@@ -132,7 +133,7 @@ def worker_log_counts(fleet: Fleet) -> dict[str, int]:
             except (IndexError, ValueError):
                 pass
     return {
-        "lease_lost_settles": fleet.count_status("lease-lost"),
+        "lease_lost_settles": fleet.count_status("lost"),  # the word jobs_work prints for ``lease-lost``
         "lease_lost_heartbeats": sum(1 for line in err if "lease lost while running" in line),
         "leases_reaped": reaped,
         "backend_error_lines": sum(1 for line in err if "backend error" in line),
@@ -189,26 +190,48 @@ class Event:
         }
 
 
-def freeze_in_run(fleet: Fleet, inc: Incarnation, timeout: float) -> bool:
+class FrozenRun(NamedTuple):
+    """The run a frozen worker is inside: its job, its attempt, and its age at the freeze (s)."""
+
+    job_id: str
+    attempt: int
+    age: float
+
+
+def freeze_in_run(fleet: Fleet, inc: Incarnation, timeout: float, min_age: float = 0.0) -> FrozenRun | None:
     """Leave the worker frozen (SIGSTOP) at a moment it is inside a run (a start marker and no
-    side effect yet), so the SIGKILL that follows loses a job in hand for sure. Jobs of a few
-    ms end faster than the driver can look, hence freeze first, look, and thaw if it is not."""
+    side effect yet) that began at least ``min_age`` seconds before, and return that run; or
+    thaw it and return ``None`` if no such moment came within ``timeout``. Jobs of a few ms end
+    faster than the driver can look, hence freeze first, look, and thaw if it is not."""
     children = inc.children()
     if not children:
-        return False
+        return None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         os.killpg(inc.pid, signal.SIGSTOP)
+        now = time.time()
         rows = sql(
-            "SELECT 1 FROM chaos_run r WHERE r.pid = ANY(%s) AND r.started_at > %s AND NOT EXISTS ("
-            "SELECT 1 FROM chaos_effect e WHERE e.job_id = r.job_id AND e.attempt = r.attempt AND e.pid = r.pid)",
-            [children, time.time() - 1.0],
+            "SELECT r.job_id, r.attempt, r.started_at FROM chaos_run r WHERE r.pid = ANY(%s) "
+            "AND r.started_at > %s AND r.started_at <= %s AND NOT EXISTS ("
+            "SELECT 1 FROM chaos_effect e WHERE e.job_id = r.job_id AND e.attempt = r.attempt AND e.pid = r.pid) "
+            "ORDER BY r.started_at DESC LIMIT 1",
+            [children, now - 1.0, now - min_age],
         )
         if rows:
-            return True
+            job_id, attempt, started = rows[0]
+            return FrozenRun(job_id, attempt, round(now - started, 3))
         os.killpg(inc.pid, signal.SIGCONT)
         time.sleep(0.003)
-    return False
+    return None
+
+
+def thaw(fleet: Fleet, frozen: dict[int, tuple[Incarnation, Event, float]], now: float = math.inf) -> None:
+    """SIGCONT the workers of ``frozen`` (slot -> incarnation, its stop event, when it is due to
+    thaw) that are due by ``now`` (all of them by default), and end their events."""
+    for slot, (inc, event, due) in list(frozen.items()):
+        if now >= due:
+            _pids, event.t1 = fleet.signal_group(inc, signal.SIGCONT)
+            del frozen[slot]
 
 
 def kill_one(ctx: Context, fleet: Fleet, candidates: list[Incarnation], events: list[Event]) -> None:
@@ -273,10 +296,7 @@ def _drain(ctx: Context, n: int, ms: float, *, chaos: bool, restart: bool = Fals
         backlog = n
         while time.monotonic() < deadline:
             now = time.time()
-            for slot, (inc, event, due) in list(stopped.items()):
-                if now >= due:
-                    _pids, event.t1 = fleet.signal_group(inc, signal.SIGCONT)
-                    del stopped[slot]
+            thaw(fleet, stopped, now)
             for inc in fleet.poll_exits():
                 if not inc.killed_by_driver:
                     log(f"worker slot {inc.slot} exited by itself ({inc.exit_code}); restarting it")
@@ -321,8 +341,7 @@ def _drain(ctx: Context, n: int, ms: float, *, chaos: bool, restart: bool = Fals
             time.sleep(0.05)
         else:
             log("crash: TIMEOUT waiting for the backlog to drain")
-        for inc, event, _ in stopped.values():
-            _pids, event.t1 = fleet.signal_group(inc, signal.SIGCONT)
+        thaw(fleet, stopped)
         drained_at = time.time()
         exit_codes = fleet.stop_all()
     finally:
@@ -927,6 +946,7 @@ def _soak_sample(ctx: Context, fleet: Fleet, t: float) -> dict[str, Any]:
 
 from .dbrestart import dbrestart  # they use the helpers above: imported last
 from .flows import flows
+from .stalls import stall
 
 SCENARIOS = {
     "crash": crash,
@@ -936,4 +956,5 @@ SCENARIOS = {
     "soak": soak,
     "dbrestart": dbrestart,
     "flows": flows,
+    "stall": stall,
 }

@@ -4,7 +4,7 @@ Each worker is ``python -m django jobs_work default other --backend chaos`` in i
 (its own process group), so the driver can SIGKILL / SIGSTOP / SIGTERM one worker's supervisor
 and forked child at once, and clean up exactly what it started (``killpg`` on that group).
 Output goes to files (one pair per incarnation) that the driver parses afterwards: job result
-lines (``acked``, ``lease-lost``, ...) on stdout, WARNING+ logs (reaped leases, supervisor
+lines (``completed``, ``lost``, ...) on stdout, WARNING+ logs (reaped leases, supervisor
 restarts, backend errors) on stderr.
 """
 

@@ -18,6 +18,12 @@ Redis, a PRIVATE ``redis-server`` on a free port. Scenarios, ~300 jobs each:
   designed to fail, while one worker is SIGKILLed every 1.5 s and another SIGTERMed every 3 s:
   every job ends as designed, no step or callback starts before its parents finished, and no
   callback runs twice unless the worker running it was killed.
+- stall: 90 jobs of 150-300 ms (half with ``max_retries=0``, half with 2), batches on, while a
+  worker is SIGSTOPped for twice its lease every 1.5 s, mostly inside a run begun 0.15 s before
+  (its start is recorded by then), then SIGCONTed: every job ends completed or failed with
+  ``WorkerLost``, no handler is called more than ``max_retries + 1`` times, and no run is called
+  again under the same attempt number (an uncounted re-run) unless a blind freeze, which may
+  land within the ack interval after a start, explains it.
 
 Only outcomes are asserted (nothing lost, nothing bad executed, nothing out of order, no worker
 crash, chaos did happen); the figures (duplicates, latencies, throughput) vary with the machine and are printed.
@@ -163,6 +169,47 @@ def check_flows(report: dict[str, Any], log: str) -> str:
     )
 
 
+def check_stall(report: dict[str, Any], log: str) -> str:
+    stall = report["scenarios"]["stall"]
+    details = json.dumps(
+        {
+            k: stall[k]
+            for k in (
+                "lost_ids",
+                "uncounted_detail",
+                "calls_over_budget_detail",
+                "aimed_log",
+                "event_log",
+                "unexpected_exits",
+            )
+        },
+        indent=1,
+    )
+    assert stall["drained"], f"stall did not drain\n{details}\n{log}"
+    # Every job ended completed, or failed with WorkerLost once its lost runs spent its retries.
+    assert stall["lost"] == 0, f"{stall['lost']} job(s) lost\n{details}\n{log}"
+    assert stall["completed"] + stall["failed_worker_lost"] == stall["jobs"], details
+    # A run whose start was recorded before its worker froze counts when its lease is lost: it is
+    # never run again under the same attempt number, nor past the job's budget of runs.
+    assert stall["uncounted_reruns_not_blind"] == 0, (
+        f"uncounted re-runs {stall['uncounted_reruns_by_cause']}\n{details}"
+    )
+    assert stall["calls_over_budget_not_blind"] == 0, f"handler calls over max_retries + 1\n{details}"
+    assert stall["worker_crashes"] == 0, f"worker crashes\n{details}\n{log}"
+    assert set(stall["exit_codes_on_sigterm"].values()) == {0}, stall["exit_codes_on_sigterm"]
+    assert stall["leases_left"] == 0 and stall["backlog_after"] == 0, stall
+    # Not vacuous: workers were frozen inside runs, and runs were lost to the reaper meanwhile.
+    assert stall["batches"] and stall["freezes"].get("aimed", 0) >= 3, stall["event_log"]
+    lost_runs = stall["aimed_runs"]["lost_counted"] + stall["aimed_runs"]["lost_uncounted"]
+    assert lost_runs >= 1, f"no aimed freeze lost its run\n{details}"
+    return (
+        f"[chaos --short {report['backend']} stall] lost 0/{stall['jobs']}; freezes {stall['freezes']} "
+        f"(aimed missed {stall['aimed_missed']}); aimed runs {stall['aimed_runs']}; failed WorkerLost "
+        f"{stall['failed_worker_lost']}; uncounted re-runs {stall['uncounted_reruns_by_cause']}; calls over "
+        f"budget {stall['calls_over_budget']}"
+    )
+
+
 def require_private_servers(*binaries: str) -> None:
     require_service("PostgreSQL binaries (initdb)", postgres_bindir() is not None, "set PG_BINDIR")
     for binary in binaries:
@@ -172,12 +219,13 @@ def require_private_servers(*binaries: str) -> None:
 @pytest.mark.slow
 def test_chaos_short_on_postgres(tmp_path, capsys):
     require_private_servers()
-    report, log = run_chaos("postgres", tmp_path, "crash,tamper,dbrestart,flows")
+    report, log = run_chaos("postgres", tmp_path, "crash,tamper,dbrestart,flows,stall")
     # The private PostgreSQL server is crash-restarted twice (SIGKILL, 1 s down, WAL replay).
     assert report["scenarios"]["crash"]["broker_restarts_enabled"] is True
     summary = check(report, log, broker_restarts=2)
     summary += "\n" + check_dbrestart(report, log)
     summary += "\n" + check_flows(report, log)
+    summary += "\n" + check_stall(report, log)
     with capsys.disabled():
         print("\n" + summary)
 
@@ -185,9 +233,10 @@ def test_chaos_short_on_postgres(tmp_path, capsys):
 @pytest.mark.slow
 def test_chaos_short_on_redis(tmp_path, capsys):
     require_private_servers("redis-server")
-    report, log = run_chaos("redis", tmp_path, "crash,tamper,flows")
+    report, log = run_chaos("redis", tmp_path, "crash,tamper,flows,stall")
     # The private redis-server is killed and restarted from its AOF twice.
     summary = check(report, log, broker_restarts=2)
     summary += "\n" + check_flows(report, log)
+    summary += "\n" + check_stall(report, log)
     with capsys.disabled():
         print("\n" + summary)
