@@ -213,6 +213,13 @@ class QueueBackend(ABC):
         the job (``requested_by`` of :meth:`request_abort`), or ``None``: backends that cannot
         abort a running job always return ``None``."""
 
+    def abort_requested(self, lease: Lease) -> str | None:
+        """Who asked to abort the job of ``lease`` (``requested_by`` of :meth:`request_abort`),
+        or ``None``. The heartbeat asks about once a second between its beats: one cheap read
+        that changes nothing (it neither extends nor fences the lease; a lost lease is the
+        beat's to find). Backends that cannot abort a running job always return ``None``."""
+        return None
+
     def request_abort(self, job_id: str, requested_by: str) -> AbortRequest:
         """Abort a job this backend holds and the ``Job`` table does not: a waiting one is taken
         out and recorded ``cancelled`` (``"cancelled"``); a running one is flagged for its

@@ -429,6 +429,11 @@ class RedisBackend(LimitedBackend):
         self.limits.extend(lease, deadline)
         return None if isinstance(reply, int) else _text(reply)
 
+    def abort_requested(self, lease: Lease) -> str | None:
+        """One ``HGET`` of the queue's aborts hash."""
+        who = self.client.hget(self.keys(lease.queue).aborts, lease.token)
+        return None if who is None else _text(who)
+
     def wake(self, queue: str, job_id: str) -> int:
         """A job parked on a limit: ready now if it waits delayed in ``queue`` (1); 2 if it is
         leased or ready already (on its way to look for room itself), 0 if it is not there."""

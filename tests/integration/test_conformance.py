@@ -283,19 +283,24 @@ def test_extend_pushes_the_lease_expiry(queue_backend, backend_case):
         backend.ack(lease)  # the extended lease is still the owner
 
 
-def test_extend_says_who_asked_to_abort_the_job_where_one_can_ask(queue_backend, backend_case):
+def test_extend_and_the_flag_read_say_who_asked_to_abort_the_job_where_one_can_ask(queue_backend, backend_case):
     require_queue(queue_backend)
     env = enqueue(queue_backend, backend_case)
     lease = fetch(queue_backend)
     assert queue_backend.extend(lease, 60) is None  # nobody asked
+    assert queue_backend.abort_requested(lease) is None
+    expires = lease.expires_at
 
     try:
         state = Jobs.abort(env.id, "ops")
     except AbortNotSupported:  # a backend that cannot find a job by id is never asked
-        assert queue_backend.extend(lease, 60) is None
+        asked = None
     else:
         assert state == "aborting"
-        assert queue_backend.extend(lease, 60) == "ops"
+        asked = "ops"
+    assert queue_backend.abort_requested(lease) == asked
+    assert lease.expires_at == expires  # the read extends nothing
+    assert queue_backend.extend(lease, 60) == asked
     queue_backend.ack(lease)  # the lease is still the owner
 
 
