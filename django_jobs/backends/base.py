@@ -47,8 +47,16 @@ class Lease:
     must_begin: bool = False
 
 
-# What :meth:`QueueBackend.request_abort` did.
+# What :meth:`QueueBackend.request_abort` did (or an :class:`AbortAsked`).
 AbortRequest = Literal["cancelled", "asked", "unknown"]
+
+
+class AbortAsked(NamedTuple):
+    """A running job that was asked to abort before: by whom, and when (``None``: not kept, as
+    on Redis). A new request leaves it as it is."""
+
+    by: str
+    at: datetime | None = None
 
 
 class LiveJob(NamedTuple):
@@ -220,11 +228,13 @@ class QueueBackend(ABC):
         beat's to find). Backends that cannot abort a running job always return ``None``."""
         return None
 
-    def request_abort(self, job_id: str, requested_by: str) -> AbortRequest:
+    def request_abort(self, job_id: str, requested_by: str) -> AbortRequest | AbortAsked:
         """Abort a job this backend holds and the ``Job`` table does not: a waiting one is taken
         out and recorded ``cancelled`` (``"cancelled"``); a running one is flagged for its
-        worker's heartbeat (``"asked"``); ``"unknown"``: not held (settled, or never seen).
-        Raises ``AbortNotSupported`` when the backend cannot look a job up by id (the default)."""
+        worker's heartbeat (``"asked"``), unless it was flagged before: then it is left as it
+        is, and who asked first is returned (:class:`AbortAsked`); ``"unknown"``: not held
+        (settled, or never seen). Raises ``AbortNotSupported`` when the backend cannot look a
+        job up by id (the default)."""
         raise AbortNotSupported(f"backend {self.name!r} cannot abort a job by its id")
 
     def cancel(self, lease: Lease, reason: str, *, count_run: bool = True) -> None:

@@ -23,7 +23,7 @@ from django.db import connections, transaction
 from django.test import override_settings
 from django.utils import timezone
 
-from django_jobs import Jobs, history, signing
+from django_jobs import Jobs, history, operations, signing
 from django_jobs.backends import get_backend
 from django_jobs.backends.base import Lease, QueueBackend
 from django_jobs.envelope import Envelope
@@ -298,6 +298,8 @@ def test_extend_and_the_flag_read_say_who_asked_to_abort_the_job_where_one_can_a
     else:
         assert state == "aborting"
         asked = "ops"
+        again = operations.abort_jobs([env.id], "boss")  # the first request stands
+        assert (again.asked, again.already[env.id].by) == ([], "ops")
     assert queue_backend.abort_requested(lease) == asked
     assert lease.expires_at == expires  # the read extends nothing
     assert queue_backend.extend(lease, 60) == asked
