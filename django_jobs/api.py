@@ -516,8 +516,9 @@ class Jobs:
     @staticmethod
     def abort(job_id: str, requested_by: str = "api") -> Literal["cancelled", "aborting", "finished"]:
         """Stop a job: ``"cancelled"`` when it was waiting (it never runs); ``"aborting"`` when it
-        is running (its worker stops it within a beat plus ``ABORT_GRACE`` and it ends
-        ``cancelled``); ``"finished"`` when it had already ended (it is left alone).
+        is running (its worker sees the request within about a second and stops it, within
+        ``ABORT_GRACE`` more, and it ends ``cancelled``; also when it was asked before, and the
+        first request stands); ``"finished"`` when it had already ended (it is left alone).
 
         ``requested_by`` (1 to 150 characters, else ``ValueError``) is recorded with the
         cancelled attempt. Raises ``UnknownJob`` when no database or backend holds the job, and
@@ -529,7 +530,7 @@ class Jobs:
         outcome = abort_jobs([job_id], requested_by)
         if outcome.cancelled:
             return "cancelled"
-        if outcome.asked:
+        if outcome.asked or outcome.already:
             return "aborting"
         if outcome.finished:
             return "finished"

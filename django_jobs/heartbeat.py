@@ -1,5 +1,6 @@
 """The heartbeat: one background thread per worker that keeps the current lease alive,
-enforces the hard time limit of the running attempt, and passes on an abort asked of it.
+enforces the hard time limit of the running attempt, and passes on an abort asked of it
+(read with each beat, and about once a second between beats).
 
 It must outlive every fault of the backend, for the life of the process:
 
@@ -9,6 +10,8 @@ It must outlive every fault of the backend, for the life of the process:
 - The hard time limit fires whatever the backend's health: settling the timed-out attempt is
   tried once, for a bounded time, and the process is ended either way (the supervisor starts a
   fresh one). A settle that could not be made is left to the reaper.
+- A failed read of the abort flag between beats is logged at debug level and drops this
+  thread's connections; it never affects the lease (the next beat reads the flag too).
 - Nothing a beat or a settle raises ends the thread.
 """
 
@@ -30,12 +33,16 @@ logger = logging.getLogger("django_jobs.worker")
 RETRY_AFTER_FAILURE = 1.0
 # How long the hard time limit waits for its settle before it ends the process anyway.
 SETTLE_BEFORE_KILL = 5.0
+# Between beats, the watched job's abort flag is read this often, from this long after its
+# start (a shorter job is never asked); not at all when beats come as often.
+ABORT_CHECK = 1.0
 
 
 class Heartbeat:
     """Extends the watched lease every third of the lease timeout, from the moment a delivery
     is trusted until it is settled; runs the watched delivery's keep-alive callbacks (its
-    idempotency key and single-instance lock) on every beat.
+    idempotency key and single-instance lock) on every beat; between beats, reads the watched
+    job's abort flag every :data:`ABORT_CHECK` seconds (``backend.abort_requested``).
 
     Watching costs the hot path a few attribute writes under a lock; the thread is long-lived.
     """
@@ -55,7 +62,7 @@ class Heartbeat:
         self._lease: Lease | None = None
         self._keep_alive: Sequence[Callable[[], None]] = ()
         self._on_abort: Callable[[str], None] | None = None
-        self._next_beat = 0.0
+        self._next_beat = self._next_check = 0.0
         self._lost: Lease | None = None
         self._deadline: float | None = None
         self._on_deadline: Callable[[], None] | None = None
@@ -86,11 +93,12 @@ class Heartbeat:
         on_abort: Callable[[str], None] | None = None,
     ) -> None:
         """Keep ``lease`` alive until :meth:`clear`; ``keep_alive`` callables run on every beat.
-        ``on_abort`` is called once, on this thread, with who asked, when a beat finds that the
-        job was asked to abort."""
+        ``on_abort`` is called once, on this thread, with who asked, when a beat or a check
+        between beats finds that the job was asked to abort."""
+        now = time.monotonic()
         with self._cond:
             self._lease, self._keep_alive, self._on_abort = lease, keep_alive, on_abort
-            self._next_beat = time.monotonic() + self.interval
+            self._next_beat, self._next_check = now + self.interval, now + ABORT_CHECK
 
     def arm(self, deadline: float, on_deadline: Callable[[], None], *, earliest: bool = False) -> None:
         """Hard time limit of the running attempt: at ``deadline`` (a ``time.monotonic()``
@@ -151,8 +159,10 @@ class Heartbeat:
             return timer[1]
         if lease is None:
             # Poll rather than be notified: watch() then costs the hot path no thread wake-up,
-            # and a new lease is still beaten within one interval of its start.
-            self._cond.wait(self.interval if timer is None else min(self.interval, timer[0] - now))
+            # and a new lease is still beaten within one interval of its start, and its abort
+            # flag read a second after it.
+            idle = min(self.interval, ABORT_CHECK)
+            self._cond.wait(idle if timer is None else min(idle, timer[0] - now))
             return None
         if self._deadline is not None and now >= self._deadline:
             on_deadline = self._on_deadline
@@ -161,9 +171,16 @@ class Heartbeat:
             return lambda: self._hard_timeout(on_deadline, lease)
         if now >= self._next_beat:
             keep_alive = self._keep_alive
-            self._next_beat = now + self.interval
+            # A beat reads the abort flag too: the next check is a second after it.
+            self._next_beat, self._next_check = now + self.interval, now + ABORT_CHECK
             return lambda: self._beat(lease, keep_alive)
-        wake = self._next_beat if self._deadline is None else min(self._next_beat, self._deadline)
+        checking = self._on_abort is not None  # until an abort was passed on
+        if checking and now >= self._next_check:
+            self._next_check = now + ABORT_CHECK
+            return lambda: self._check(lease)
+        wake = min(self._next_beat, self._next_check) if checking else self._next_beat
+        if self._deadline is not None:
+            wake = min(wake, self._deadline)
         if timer is not None:
             wake = min(wake, timer[0])
         self._cond.wait(wake - now)
@@ -183,6 +200,18 @@ class Heartbeat:
                     extra=lease_fields(lease),
                 )
                 self._reset_connections()
+
+    def _check(self, lease: Lease) -> None:
+        """Between beats: has the watched job been asked to abort? A failed read is quiet and
+        leaves the lease alone; this thread's connections are dropped, the next beat reconnects."""
+        try:
+            requested_by = self.backend.abort_requested(lease)
+        except Exception:
+            logger.debug("job %s: could not read its abort flag", lease.token, exc_info=True, extra=lease_fields(lease))
+            self._reset_connections()
+            return
+        if requested_by:
+            self._aborted(lease, requested_by)
 
     def _aborted(self, lease: Lease, requested_by: str) -> None:
         """The watched job was asked to abort: tell its ``on_abort``, once."""

@@ -84,6 +84,8 @@ class Job(models.Model):
     # Who asked to abort the running job (``admin:boss``, ``command``, ``api``); NULL: nobody.
     # Its worker's heartbeat reads it and stops the job.
     abort_requested = models.CharField(max_length=150, null=True, blank=True)
+    # When the abort was first asked (NULL: nobody asked, or a release before this column asked).
+    abort_requested_at = models.DateTimeField(null=True, blank=True)
     # Some job waits for this one (a ``Dependency`` names it as parent): its ack takes the
     # transactional path that resolves those edges. Set, under this row's lock, when the first
     # dependent is attached; never cleared.

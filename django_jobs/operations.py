@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -15,9 +17,11 @@ from django.utils import timezone
 
 from . import conf, dependencies, history, signing
 from .backends import get_backend
+from .backends.base import AbortAsked
 from .backends.database import DatabaseBackend
 from .envelope import Envelope
 from .exceptions import AbortNotSupported, BadSignature, InvalidPayload, JobAborted
+from .heartbeat import ABORT_CHECK
 from .models import ENVELOPE_COLUMNS, FINISHED_STATUSES, AttemptOutcome, Dependency, Job, JobAttempt, JobStatus
 
 logger = logging.getLogger("django_jobs.operations")
@@ -173,6 +177,7 @@ def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
                     finished_at=None,
                     last_error="",
                     abort_requested=None,
+                    abort_requested_at=None,
                     updated_at=now,
                 )
             )
@@ -248,7 +253,9 @@ class AbortOutcome:
     """What :func:`abort_jobs` did with each id it was given."""
 
     cancelled: list[str] = field(default_factory=list)  # pending: cancelled before they ran
-    asked: list[str] = field(default_factory=list)  # running: their workers stop them
+    asked: list[str] = field(default_factory=list)  # running: asked to abort, their workers stop them
+    # Running, asked to abort before: left as they are (id -> who asked first, and when).
+    already: dict[str, AbortAsked] = field(default_factory=dict)
     finished: dict[str, str] = field(default_factory=dict)  # already finished (id -> status): left alone
     unknown: list[str] = field(default_factory=list)  # no database or backend holds them
     # Backends that cannot abort a job by its id (an unknown id may be one of theirs).
@@ -279,10 +286,12 @@ def abort_jobs(ids: list[str], requested_by: str) -> AbortOutcome:
     (``admin:boss``, ``command``, ``api``; see :func:`check_requested_by`); it is recorded with
     the cancelled attempt.
 
-    A pending job is cancelled at once (as :func:`cancel_jobs` does). A running one is flagged:
-    its worker's heartbeat sees the flag on its next beat and stops the job, which then ends
-    ``cancelled``, never retried. A finished job is left alone. A job with no ``Job`` row (queued
-    or running on a broker) is looked up in each broker backend (``request_abort``)."""
+    A pending job is cancelled at once (as :func:`cancel_jobs` does). A running one is flagged,
+    with who asked and when: its worker's heartbeat sees the flag within about a second and
+    stops the job (within :func:`abort_within` seconds), which then ends ``cancelled``, never
+    retried. A running job flagged before is left as it is: the first request stands
+    (``already``). A finished job is left alone. A job with no ``Job`` row (queued or running
+    on a broker) is looked up in each broker backend (``request_abort``)."""
     check_requested_by(requested_by)
     outcome = AbortOutcome()
     left = list(dict.fromkeys(ids))
@@ -297,14 +306,23 @@ def abort_jobs(ids: list[str], requested_by: str) -> AbortOutcome:
 
 
 def _abort_row(alias: str, pk: str, requested_by: str, outcome: AbortOutcome) -> None:
-    """Cancel the row while it is pending, else flag it while it runs, else report its status."""
+    """Cancel the row while it is pending, else flag it while it runs (unless it is flagged
+    already), else report its status."""
     jobs = Job.objects.using(alias).filter(pk=pk)
     if cancel_jobs(jobs, JobAborted.describe(requested_by), worker=requested_by).jobs:
         outcome.cancelled.append(pk)
-    elif jobs.filter(status=JobStatus.IN_PROGRESS).update(abort_requested=requested_by, updated_at=timezone.now()):
+        return
+    now = timezone.now()
+    unflagged = jobs.filter(status=JobStatus.IN_PROGRESS, abort_requested__isnull=True)
+    if unflagged.update(abort_requested=requested_by, abort_requested_at=now, updated_at=now):
         outcome.asked.append(pk)
+        return
+    status, by, at = jobs.values_list("status", "abort_requested", "abort_requested_at").first() or (None, None, None)
+    asked = running_abort(status, by, at)
+    if asked is not None:
+        outcome.already[pk] = asked
     else:
-        outcome.finished[pk] = str(jobs.values_list("status", flat=True).first())
+        outcome.finished[pk] = str(status)
 
 
 def _abort_queued(job_id: str, requested_by: str, outcome: AbortOutcome) -> str:
@@ -326,6 +344,9 @@ def _abort_queued(job_id: str, requested_by: str, outcome: AbortOutcome) -> str:
         except Exception as exc:  # noqa: BLE001 - one unreachable broker must not hide the others
             outcome.errors.append(f"job {job_id}: backend {name!r} could not be asked: {type(exc).__name__}: {exc}")
             continue
+        if isinstance(done, AbortAsked):
+            outcome.already[job_id] = done
+            return "already"
         if done == "cancelled":
             outcome.cancelled.append(job_id)
         elif done == "asked":
@@ -333,6 +354,30 @@ def _abort_queued(job_id: str, requested_by: str, outcome: AbortOutcome) -> str:
         if done != "unknown":
             return done
     return "unknown"
+
+
+def running_abort(status: str | None, by: str | None, at: datetime | None) -> AbortAsked | None:
+    """The abort a row's columns say its running job was asked (a finished job keeps who
+    asked, and its last error says so: ``None`` then, as for a job nobody asked)."""
+    running = status == JobStatus.IN_PROGRESS  # type: ignore[comparison-overlap]
+    return AbortAsked(by, at) if running and by is not None else None
+
+
+def abort_within() -> int:
+    """About how many seconds a running job's worker takes to stop it once asked: the check of
+    the flag (about a second), then ``ABORT_GRACE`` for a job that does not stop by itself."""
+    return math.ceil(ABORT_CHECK + float(conf.get("ABORT_GRACE")))
+
+
+def utc_text(moment: datetime) -> str:
+    """``2026-05-01 14:03:09 UTC``."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def requested_text(asked: AbortAsked, shown: Callable[[datetime], str] = utc_text) -> str:
+    """``requested by admin:boss at 2026-05-01 14:03:09 UTC`` (``shown`` writes the time; none
+    when it was not kept)."""
+    return f"requested by {asked.by}" + ("" if asked.at is None else f" at {shown(asked.at)}")
 
 
 def envelope_of(row: Job) -> Envelope:
@@ -356,7 +401,8 @@ def stats(backend_names: list[str] | None = None) -> list[dict[str, Any]]:
 # What ``jobs_list`` shows of a job, in this order (``--json`` adds nothing else).
 LISTED = (
     "id", "status", "queue", "backend", "name", "handler", "attempts", "max_retries", "priority",
-    "available_at", "created_at", "updated_at", "finished_at", "last_error",
+    "available_at", "created_at", "updated_at", "finished_at", "last_error", "abort_requested",
+    "abort_requested_at",
 )  # fmt: skip
 
 

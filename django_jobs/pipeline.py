@@ -908,7 +908,7 @@ def abort_verdict(
 
 def _instead_of_requeue(verdict: Verdict, who: str) -> Verdict:
     """A requeue the backend refused because the job was asked to abort (the run failed, or was
-    deferred, before a beat saw the request): it ends cancelled instead, its error kept."""
+    deferred, before the heartbeat saw the request): it ends cancelled instead, its error kept."""
     instead = abort_verdict(
         who,
         count_run=verdict.count_run,

@@ -21,6 +21,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from .. import operations
+from ..backends.base import AbortAsked
 from ..ids import short
 from ..models import FINISHED_STATUSES, Dependency, Job, JobAttempt, JobDashboard, JobStatus, Schedule, Worker
 
@@ -60,6 +61,16 @@ def cancel_message(job: Job) -> str:
     if job.attempts == 0:
         return "Cancelled (was pending, never run)"
     return f"Cancelled (was pending a retry after {runs_text(job.attempts)})"
+
+
+def abort_asked(job: Job) -> AbortAsked | None:
+    """The abort ``job`` was asked while it runs, if it was."""
+    return operations.running_abort(job.status, job.abort_requested, job.abort_requested_at)
+
+
+def abort_note(asked: AbortAsked) -> str:
+    """``abort requested by admin:boss at 2026-05-01 14:03:09`` (the current time zone)."""
+    return f"abort {operations.requested_text(asked, time_text)}"
 
 
 def duration_text(seconds: float) -> str:
@@ -184,7 +195,10 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.display(description="status")
     def status_badge(self, obj: Job) -> SafeString:
-        return format_html('<span class="job-status status-{}">{}</span>', obj.status, obj.get_status_display())
+        """The status; for a running job asked to abort, who asked and when, below it."""
+        badge = format_html('<span class="job-status status-{}">{}</span>', obj.status, obj.get_status_display())
+        asked = abort_asked(obj)
+        return badge if asked is None else format_html('{}<div class="job-meta">{}</div>', badge, abort_note(asked))
 
     @admin.display(description="status", ordering="status")
     def status_and_runs(self, obj: Job) -> SafeString:
@@ -293,11 +307,15 @@ class JobAdmin(admin.ModelAdmin):
         )
 
     def _buttons(self, obj: Job) -> list[dict[str, str]]:
-        """The job page's Retry, Cancel or Abort button, as the job's status allows."""
+        """The job page's Retry, Cancel or Abort button, as the job's status allows; for a
+        running job asked to abort, that state (no URL: not a button)."""
         if obj.status in operations.RETRYABLE:
             return [{"name": "retry", "label": "Retry", "url": self._url("retry", obj)}]
         if obj.status in operations.NOT_STARTED:
             return [{"name": "cancel", "label": "Cancel", "url": self._url("cancel", obj)}]
+        asked = abort_asked(obj)
+        if asked is not None:
+            return [{"name": "aborting", "label": "Abort requested", "url": "", "title": abort_note(asked)}]
         if obj.status == JobStatus.IN_PROGRESS:
             return [{"name": "abort", "label": "Abort", "url": self._url("abort", obj)}]
         return []
@@ -367,26 +385,35 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.action(description="Abort selected jobs", permissions=["operate"])
     def abort(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
-        """Cancel the pending jobs selected and stop the running ones (their workers end them
-        ``cancelled``); finished ones are left alone. Each abort is logged."""
+        """Cancel the pending jobs selected and ask the running ones to abort (their workers end
+        them ``cancelled``); those asked before and finished ones are left alone. Each
+        cancellation and request is logged."""
         who = f"admin:{request.user.get_username()}"[: operations.MAX_REQUESTED_BY]
         selected = {str(job.pk): job for job in queryset}
         outcome = operations.abort_jobs(list(selected), who)
         for pk in outcome.cancelled:
             self.log_change(request, selected[pk], f"Aborted: {cancel_message(selected[pk])}")
         for pk in outcome.asked:
-            self.log_change(request, selected[pk], "Aborted while running: its worker stops it")
-        if not outcome.stopped:
+            self.log_change(request, selected[pk], "Asked to abort while running")
+        if not outcome.stopped and not outcome.already:
             self.message_user(
                 request, "No job was aborted: only pending, waiting or running jobs can be.", messages.ERROR
             )
             return
-        self.message_user(
-            request,
-            f"Aborted {outcome.stopped} job(s): {len(outcome.cancelled)} cancelled before they ran, "
-            f"{len(outcome.asked)} running, stopped by their workers.",
-            messages.SUCCESS,
-        )
+        if outcome.cancelled:
+            self.message_user(request, f"Cancelled {len(outcome.cancelled)} job(s) before they ran.", messages.SUCCESS)
+        if outcome.asked:
+            self.message_user(
+                request,
+                f"Asked {len(outcome.asked)} running job(s) to abort: each ends cancelled, its worker stops it "
+                f"within about {operations.abort_within()} s.",
+                messages.SUCCESS,
+            )
+        if outcome.already:
+            asked = "; ".join(
+                f"{pk[:8]} {operations.requested_text(a, time_text)}" for pk, a in outcome.already.items()
+            )
+            self.message_user(request, f"Abort already requested, left as it is: {asked}.", messages.INFO)
         if outcome.finished:
             self.message_user(
                 request,

@@ -55,8 +55,16 @@ class Lease:
     must_begin: bool = False
 
 
-# What :meth:`QueueBackend.request_abort` did.
+# What :meth:`QueueBackend.request_abort` did (or an :class:`AbortAsked`).
 AbortRequest = Literal["cancelled", "asked", "unknown"]
+
+
+class AbortAsked(NamedTuple):
+    """A running job that was asked to abort before: by whom, and when (``None``: not kept, as
+    on Redis). A new request leaves it as it is."""
+
+    by: str
+    at: datetime | None = None
 
 
 class LiveJob(NamedTuple):
@@ -230,11 +238,20 @@ class QueueBackend(ABC):
         the job (``requested_by`` of :meth:`request_abort`), or ``None``: backends that cannot
         abort a running job always return ``None``."""
 
-    def request_abort(self, job_id: str, requested_by: str) -> AbortRequest:
+    def abort_requested(self, lease: Lease) -> str | None:
+        """Who asked to abort the job of ``lease`` (``requested_by`` of :meth:`request_abort`),
+        or ``None``. The heartbeat asks about once a second between its beats: one cheap read
+        that changes nothing (it neither extends nor fences the lease; a lost lease is the
+        beat's to find). Backends that cannot abort a running job always return ``None``."""
+        return None
+
+    def request_abort(self, job_id: str, requested_by: str) -> AbortRequest | AbortAsked:
         """Abort a job this backend holds and the ``Job`` table does not: a waiting one is taken
         out and recorded ``cancelled`` (``"cancelled"``); a running one is flagged for its
-        worker's heartbeat (``"asked"``); ``"unknown"``: not held (settled, or never seen).
-        Raises ``AbortNotSupported`` when the backend cannot look a job up by id (the default)."""
+        worker's heartbeat (``"asked"``), unless it was flagged before: then it is left as it
+        is, and who asked first is returned (:class:`AbortAsked`); ``"unknown"``: not held
+        (settled, or never seen). Raises ``AbortNotSupported`` when the backend cannot look a
+        job up by id (the default)."""
         raise AbortNotSupported(f"backend {self.name!r} cannot abort a job by its id")
 
     def cancel(self, lease: Lease, reason: str, *, count_run: bool = True) -> None:

@@ -597,6 +597,11 @@ class DatabaseBackend(LimitedBackend):
         lease.expires_at = expires
         return cast("str | None", row[0])
 
+    def abort_requested(self, lease: Lease) -> str | None:
+        """The row's ``abort_requested``, read by its primary key."""
+        _, row = self._execute(f"SELECT abort_requested FROM {TABLE} WHERE id = %s", [lease.token])
+        return None if row is None else cast("str | None", row[0])
+
     def reap_expired(self, queue: str | None = None) -> int:
         """Each expired lease counts as a failed run: requeued with backoff, or failed.
 

@@ -42,7 +42,7 @@ from ..exceptions import (
 )
 from ..retry import after_lost_run
 from . import redis_limits, require
-from .base import NO_RESULT, AbortRequest, Lease, LimitedBackend, LiveJob, decode_lease_body
+from .base import NO_RESULT, AbortAsked, AbortRequest, Lease, LimitedBackend, LiveJob, decode_lease_body
 
 redis = require("redis", "redis")
 logger = logging.getLogger("django_jobs.backends.redis")
@@ -437,14 +437,20 @@ class RedisBackend(LimitedBackend):
         self.limits.extend(lease, deadline)
         return None if isinstance(reply, int) else _text(reply)
 
+    def abort_requested(self, lease: Lease) -> str | None:
+        """One ``HGET`` of the queue's aborts hash."""
+        who = self.client.hget(self.keys(lease.queue).aborts, lease.token)
+        return None if who is None else _text(who)
+
     def wake(self, queue: str, job_id: str) -> int:
         """A job parked on a limit: ready now if it waits delayed in ``queue`` (1); 2 if it is
         leased or ready already (on its way to look for room itself), 0 if it is not there."""
         return int(self._run("wake", queue, job_id))
 
-    def request_abort(self, job_id: str, requested_by: str) -> AbortRequest:
+    def request_abort(self, job_id: str, requested_by: str) -> AbortRequest | AbortAsked:
         """Looks in every queue of ``JOBS["QUEUES"]``: a waiting or delayed message is taken out
-        atomically and recorded as a cancelled ``Job`` row; a leased one is flagged."""
+        atomically and recorded as a cancelled ``Job`` row; a leased one is flagged, unless it
+        was already (the aborts hash keeps who asked, not when)."""
         from ..audit import record_cancelled  # the models load after the app registry
         from ..history import record
         from ..models import AttemptOutcome
@@ -454,6 +460,8 @@ class RedisBackend(LimitedBackend):
             done = _text(reply[0])
             if done == "asked":
                 return "asked"
+            if done == "already":
+                return AbortAsked(_text(reply[1]))
             if done == "cancelled":
                 envelope, _ = decode_lease_body(reply[1])
                 if envelope is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC
 from io import StringIO
 from typing import Any
 
@@ -18,6 +19,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from django_jobs import Jobs, current_job, operations, timeouts
+from django_jobs.backends.base import AbortAsked
 from django_jobs.exceptions import AbortNotSupported, AbortRequested, LeaseLost
 from django_jobs.heartbeat import Heartbeat
 from django_jobs.metrics import InMemoryMetricsCollector
@@ -176,7 +178,7 @@ def test_aborting_a_finished_job_leaves_it_alone(backend):
 
     assert f"{job_id}: already finished (it is completed); left alone" in err
     assert "CommandError: none of the given jobs was aborted or cancelled" in err
-    assert "aborted 0 job(s)" in out
+    assert "cancelled 0, asked 0 to abort" in out
     after = row(backend, job_id)
     assert (after.status, after.updated_at, after.abort_requested) == ("completed", before.updated_at, None)
     assert not JobAttempt.objects.using(alias(backend)).filter(job_id=job_id, outcome="cancelled").exists()
@@ -187,9 +189,37 @@ def test_jobs_abort_reports_each_id_and_records_its_by_name(backend):
 
     out, err = command(pending, "no-such-job", "--by", "deploy-script")
 
-    assert f"{pending}: cancelled" in out and "aborted 1 job(s)" in out
+    assert f"{pending}: cancelled" in out and "cancelled 1, asked 0 to abort" in out
     assert "no-such-job: no such job" in err and "CommandError" not in err
     assert attempts_of(alias(backend), pending)[0][1:3] == ("cancelled", "deploy-script")
+
+
+def test_a_repeated_abort_says_who_asked_first_and_when_and_is_not_an_error(backend):
+    job_id = scripted.using(backend=backend).dispatch(action="ok")
+    queue = Jobs.backend(backend)
+    lease = queue.fetch("default")
+    assert lease is not None and lease.token == job_id
+
+    out, _ = command(job_id, "--by", "admin:boss")
+    assert f"{job_id}: running; asked to abort: its worker stops it within about 11 s" in out  # ABORT_GRACE 10
+    asked = row(backend, job_id)
+    assert asked.abort_requested == "admin:boss" and asked.abort_requested_at is not None
+
+    again = operations.abort_jobs([job_id], "ops")
+    out, err = command(job_id, "--by", "ops")
+
+    assert (again.asked, again.already) == ([], {job_id: AbortAsked("admin:boss", asked.abort_requested_at)})
+    when = asked.abort_requested_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+    assert f"{job_id}: running; abort already requested by admin:boss at {when} UTC; left as it is" in out
+    assert "cancelled 0, asked 0 to abort, 1 already asked" in out and err == ""  # exit 0
+    assert Jobs.abort(job_id, "ops") == "aborting"
+    after = row(backend, job_id)
+    assert (after.abort_requested, after.abort_requested_at, after.updated_at) == (
+        "admin:boss",
+        asked.abort_requested_at,
+        asked.updated_at,
+    )
+    assert told_on_beat_of(queue, lease) == ["admin:boss"]  # the first request stands
 
 
 def test_an_id_no_backend_holds_is_refused_naming_the_backends_that_cannot_look(redis_up):
@@ -438,6 +468,23 @@ def test_redis_flags_a_running_job_for_its_beat_and_the_settle_records_it(redis_
     assert (cancelled.status, cancelled.attempts, cancelled.last_error) == ("cancelled", 1, "Aborted by ops")
 
 
+def test_redis_a_repeated_abort_says_who_asked_first_and_is_not_an_error(redis_up, django_capture_on_commit_callbacks):
+    job_id = redis_job(django_capture_on_commit_callbacks)
+    queue = Jobs.backend("redis")
+    lease = queue.fetch("default")
+    assert lease is not None
+
+    assert queue.request_abort(job_id, "admin:boss") == "asked"
+    assert queue.request_abort(job_id, "ops") == AbortAsked("admin:boss")  # Redis keeps no time
+    out, err = command(job_id, "--by", "ops")
+
+    assert f"{job_id}: running; abort already requested by admin:boss; left as it is" in out
+    assert "cancelled 0, asked 0 to abort, 1 already asked" in out and "CommandError" not in err
+    assert Jobs.abort(job_id, "ops") == "aborting"
+    assert queue.abort_requested(lease) == "admin:boss"
+    assert told_on_beat_of(queue, lease) == ["admin:boss"]
+
+
 def test_redis_takes_a_job_waiting_for_its_retry_out(redis_up, django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks(execute=True):
         job_id = scripted.using(backend="redis", max_retries=3).dispatch(action="raise")
@@ -526,16 +573,38 @@ def test_the_admin_action_aborts_pending_and_running_jobs_and_logs_each(admin_cl
     response = admin_client.post(url, {"action": "abort", "_selected_action": [pending, running, done]}, follow=True)
 
     said = [str(m) for m in response.context["messages"]]
-    assert "Aborted 2 job(s): 1 cancelled before they ran, 1 running, stopped by their workers." in said
-    assert "1 selected job(s) had already finished and were left alone." in said
+    assert said == [
+        "Cancelled 1 job(s) before they ran.",
+        "Asked 1 running job(s) to abort: each ends cancelled, its worker stops it within about 11 s.",
+        "1 selected job(s) had already finished and were left alone.",
+    ]
     assert Job.objects.get(pk=pending).status == "cancelled"
     assert Job.objects.get(pk=running).abort_requested == "admin:admin"
     assert attempts_of("default", pending)[0][1:3] == ("cancelled", "admin:admin")
     logged = {entry.object_id: entry.get_change_message() for entry in LogEntry.objects.all()}
     assert logged == {
         pending: "Aborted: Cancelled (was pending, never run)",
-        running: "Aborted while running: its worker stops it",
+        running: "Asked to abort while running",
     }
+
+
+def test_the_admin_action_on_a_job_asked_before_says_who_asked_and_logs_nothing(admin_client):
+    job_id = scripted.dispatch(action="ok")
+    assert Jobs.backend("default").fetch("default") is not None
+    assert Jobs.abort(job_id, "admin:boss") == "aborting"
+    asked_at = Job.objects.get(pk=job_id).abort_requested_at
+    assert asked_at is not None
+
+    url = reverse("admin:django_jobs_job_changelist")
+    response = admin_client.post(url, {"action": "abort", "_selected_action": [job_id]}, follow=True)
+
+    when = timezone.localtime(asked_at).strftime("%Y-%m-%d %H:%M:%S")
+    said = [(m.level_tag, str(m)) for m in response.context["messages"]]
+    assert said == [
+        ("info", f"Abort already requested, left as it is: {job_id[:8]} requested by admin:boss at {when}.")
+    ]
+    assert Job.objects.get(pk=job_id).abort_requested == "admin:boss"
+    assert not LogEntry.objects.exists()
 
 
 def test_a_running_jobs_page_has_an_abort_button_that_posts(admin_client):

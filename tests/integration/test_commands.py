@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import timedelta
+from datetime import UTC, timedelta
 from io import StringIO
 from typing import Any
 from unittest import mock
@@ -12,6 +12,7 @@ from unittest import mock
 import pytest
 from django.conf import settings
 from django.core.management import CommandError, call_command
+from django.core.serializers.json import DjangoJSONEncoder
 from django.test import override_settings
 from django.utils import timezone
 
@@ -347,6 +348,21 @@ def test_list_filters_by_status_queue_and_limit_and_prints_json():
     assert set(rows[0]) == set(operations.LISTED)
     assert len(json.loads(run("jobs_list", "--limit", "2", "--json"))) == 2
     assert run("jobs_list", "--status", "in_progress") == "no jobs\n"
+
+
+def test_list_says_who_asked_a_running_job_to_abort_and_when():
+    running = scripted.dispatch(action="ok")
+    assert Jobs.backend("default").fetch("default") is not None
+    Jobs.abort(running, "admin:boss")
+    asked_at = Job.objects.get(pk=running).abort_requested_at
+
+    [line] = run("jobs_list", "--status", "in_progress").splitlines()[1:]
+    [row] = json.loads(run("jobs_list", "--status", "in_progress", "--json"))
+
+    when = asked_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+    assert line.split()[:2] == [running, "in_progress"]
+    assert line.endswith(f"  abort requested by admin:boss at {when} UTC")
+    assert (row["abort_requested"], row["abort_requested_at"]) == ("admin:boss", DjangoJSONEncoder().default(asked_at))
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from django.db.models.signals import post_save
 from django.test import override_settings
 from django.utils import timezone
 
-from django_jobs import Jobs, history, signing
+from django_jobs import Jobs, history, operations, signing
 from django_jobs.api import JobFunction
 from django_jobs.backends import get_backend
 from django_jobs.backends.base import Lease, QueueBackend
@@ -293,19 +293,26 @@ def test_extend_pushes_the_lease_expiry(queue_backend, backend_case):
         backend.ack(lease)  # the extended lease is still the owner
 
 
-def test_extend_says_who_asked_to_abort_the_job_where_one_can_ask(queue_backend, backend_case):
+def test_extend_and_the_flag_read_say_who_asked_to_abort_the_job_where_one_can_ask(queue_backend, backend_case):
     require_queue(queue_backend)
     env = enqueue(queue_backend, backend_case)
     lease = fetch(queue_backend)
     assert queue_backend.extend(lease, 60) is None  # nobody asked
+    assert queue_backend.abort_requested(lease) is None
+    expires = lease.expires_at
 
     try:
         state = Jobs.abort(env.id, "ops")
     except AbortNotSupported:  # a backend that cannot find a job by id is never asked
-        assert queue_backend.extend(lease, 60) is None
+        asked = None
     else:
         assert state == "aborting"
-        assert queue_backend.extend(lease, 60) == "ops"
+        asked = "ops"
+        again = operations.abort_jobs([env.id], "boss")  # the first request stands
+        assert (again.asked, again.already[env.id].by) == ([], "ops")
+    assert queue_backend.abort_requested(lease) == asked
+    assert lease.expires_at == expires  # the read extends nothing
+    assert queue_backend.extend(lease, 60) == asked
     queue_backend.ack(lease)  # the lease is still the owner
 
 

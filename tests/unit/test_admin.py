@@ -530,6 +530,34 @@ def test_the_job_page_offers_retry_or_cancel_as_the_status_allows(superuser_clie
     assert buttons(job_page(superuser_client, done)) == []
 
 
+def test_a_running_job_asked_to_abort_says_who_asked_and_when_instead_of_an_abort_button(superuser_client):
+    job_id = scripted.dispatch(action="ok")
+    assert Jobs.backend("default").fetch("default") is not None
+    assert buttons(job_page(superuser_client, job_id)) == [(button_url("abort", job_id), "Abort")]
+
+    response = superuser_client.post(button_url("abort", job_id), follow=True)
+
+    asked_at = Job.objects.get(pk=job_id).abort_requested_at
+    note = f"abort requested by admin:boss at {timezone.localtime(asked_at).strftime('%Y-%m-%d %H:%M:%S')}"
+    assert texts(response) == [
+        "Asked 1 running job(s) to abort: each ends cancelled, its worker stops it within about 11 s."
+    ]
+    page = response.content.decode()
+    assert buttons(page) == []  # not offered again
+    tools = re.search(r'<ul class="object-tools">(.*?)</ul>', page, re.DOTALL).group(1)
+    assert re.search(rf'<span class="job-state job-aborting" title="{note}">Abort requested</span>', tools)
+    status = re.search(
+        r'<div class="readonly"><span class="job-status status-in_progress">.*?</div>\s*</div>', page, re.DOTALL
+    )
+    assert status and html.unescape(re.sub(r"<[^>]+>", " ", status.group(0))).split() == [
+        "In",
+        "progress",
+        *note.split(),
+    ]
+    listed = superuser_client.get(reverse(CHANGELIST)).content.decode()
+    assert note in listed  # under its status in the list too
+
+
 def test_the_retry_button_requeues_the_job_and_logs_it(superuser_client, failed_job):
     job_id = failed_job(runs=2)
 

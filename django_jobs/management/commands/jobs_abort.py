@@ -29,8 +29,12 @@ class Command(BaseCommand):
             self.stdout.write(f"note: backend {name!r} cannot abort a job by its id")
         for job_id in outcome.cancelled:
             self.stdout.write(f"{job_id}: cancelled")
+        within = operations.abort_within()
         for job_id in outcome.asked:
-            self.stdout.write(f"{job_id}: running; its worker is stopping it")
-        self.stdout.write(f"aborted {outcome.stopped} job(s)")
-        if not outcome.stopped:
+            self.stdout.write(f"{job_id}: running; asked to abort: its worker stops it within about {within} s")
+        for job_id, asked in outcome.already.items():
+            self.stdout.write(f"{job_id}: running; abort already {operations.requested_text(asked)}; left as it is")
+        already = f", {len(outcome.already)} already asked" if outcome.already else ""
+        self.stdout.write(f"cancelled {len(outcome.cancelled)}, asked {len(outcome.asked)} to abort{already}")
+        if not outcome.stopped and not outcome.already:
             raise CommandError("none of the given jobs was aborted or cancelled")

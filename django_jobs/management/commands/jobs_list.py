@@ -46,7 +46,9 @@ class Command(BaseCommand):
             error = (row["last_error"] or "").partition("\n")[0]
             error = error if len(error) <= ERROR_CHARS else error[: ERROR_CHARS - 1] + "…"
             what = row["name"] or row["handler"]
+            asked = operations.running_abort(row["status"], row["abort_requested"], row["abort_requested_at"])
             self.stdout.write(
                 f"{row['id']:<32}  {row['status']:<11}  {row['queue']:<12}  {runs:>7}  {changed:<19}  {what}"
+                + (f"  abort {operations.requested_text(asked)}" if asked else "")
                 + (f"  {error}" if error else "")
             )
