@@ -21,6 +21,7 @@ from django.utils import timezone
 from . import signing
 from .envelope import Envelope, new_id
 from .exceptions import BadSignature, InvalidPayload
+from .ids import time_of
 from .models import Job, JobStatus, envelope_columns
 
 logger = logging.getLogger("django_jobs.audit")
@@ -79,7 +80,9 @@ def _record(envelope: Envelope, outcome: dict[str, Any], backend: str, attempts:
     }
     reason = _untrusted(envelope, backend, queue or envelope.queue)
     if reason is None:
-        Job.objects.update_or_create(id=envelope.id, defaults=fields)
+        # A new row's created_at is the job's dispatch, which its id tells, not this record's time.
+        sent = {"created_at": time_of(envelope.id) or now}
+        Job.objects.update_or_create(id=envelope.id, defaults=fields, create_defaults={**fields, **sent})
         return
     # Its own record: the fields are the message's as received, for audit, and the id it
     # claimed is only quoted. The signature was made (if at all) over another id, so this

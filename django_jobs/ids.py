@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from datetime import UTC, datetime
 
 _COUNTER_BITS = 42
 _COUNTER_MAX = (1 << _COUNTER_BITS) - 1
@@ -45,6 +46,17 @@ def uuid7_hex() -> str:
         | int.from_bytes(os.urandom(4))
     )
     return f"{value:032x}"
+
+
+def time_of(job_id: str) -> datetime | None:
+    """When the job ``job_id`` was made, from its id (its dispatch, to the millisecond); ``None``
+    for an id that is not a UUIDv7 (jobs sent by earlier versions, ids chosen by hand)."""
+    if len(job_id) != 32 or job_id[12] != "7" or job_id[16] not in "89ab":
+        return None
+    try:
+        return datetime.fromtimestamp(int(job_id[:12], 16) / 1000, tz=UTC)
+    except (ValueError, OverflowError, OSError):
+        return None
 
 
 def short(job_id: str) -> str:

@@ -50,6 +50,7 @@ from .exceptions import (
 )
 from .heartbeat import Heartbeat
 from .idempotency import Claim, IdempotencyGuard
+from .ids import time_of
 from .limits import Limit, describe, limits_for
 from .locks import CacheLock
 from .logfields import lease_fields, log_fields
@@ -452,8 +453,9 @@ class DeliveryPipeline:
     def _run(self, d: Delivery) -> Verdict:
         env, queue = d.env, d.lease.queue
         timeout = env.timeout if env.timeout is not None else conf.get("DEFAULT_TIMEOUT")
-        if env.available_at is not None:
-            self.metrics.observe("jobs_wait_seconds", _since(env.available_at), queue=queue)
+        ready_since = env.available_at or time_of(env.id)  # due, or else sent
+        if ready_since is not None:
+            self.metrics.observe("jobs_wait_seconds", _since(ready_since), queue=queue)
         start = time.monotonic()
         deadline = start + timeout if timeout else None
         # Published before the check: an abort the heartbeat passes on from here reaches the run.

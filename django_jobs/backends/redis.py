@@ -40,6 +40,7 @@ from ..exceptions import (
     ParentFailed,
     WorkerLost,
 )
+from ..ids import time_of
 from ..retry import after_lost_run
 from . import redis_limits, require
 from .base import NO_RESULT, AbortAsked, AbortRequest, Lease, LimitedBackend, LiveJob, decode_lease_body
@@ -734,9 +735,9 @@ class RedisBackend(LimitedBackend):
         """Redis keeps no enqueue time of its own: a message's readiness is known from its due
         time while it sits in the delayed set past due (no worker has moved it yet), and from
         its envelope's ``available_at`` (set when it was dispatched with a delay or a schedule,
-        or requeued for a retry). The age is the older of the first due delayed message and the
-        next waiting message, where known; ``None`` when neither tells (a job dispatched to run
-        at once carries no time)."""
+        or requeued for a retry), else its id's time (its dispatch). The age is the older of the
+        first due delayed message and the next waiting message; ``None`` when neither tells (an
+        id of an earlier version, which carries no time)."""
         keys, now = self.keys(queue), time.time()
         pipe = self.client.pipeline(transaction=False)
         pipe.zrange(keys.waiting, 0, 0)
@@ -745,8 +746,9 @@ class RedisBackend(LimitedBackend):
         since = [score / 1000 for _, score in due]
         body = self.client.hget(keys.bodies, head[0]) if head else None
         envelope = decode_lease_body(body)[0] if body is not None else None
-        if envelope is not None and envelope.available_at is not None:
-            since.append(envelope.available_at.timestamp())
+        ready = None if envelope is None else envelope.available_at or time_of(envelope.id)
+        if ready is not None:
+            since.append(ready.timestamp())
         return max(now - min(since), 0.0) if since else None
 
     def persistence_warning(self) -> str | None:
