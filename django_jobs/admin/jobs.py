@@ -110,15 +110,26 @@ def job_duration(job: Job) -> tuple[str, str]:
 
     A finished job: from its dispatch to its end (``finished_at - created_at``: queue waits and
     retries included). A job in progress: since its claim (the claim sets ``updated_at``, and
-    nothing else changes it while the job runs). A pending job: nothing.
+    nothing else changes it while the job runs), its tooltip saying it runs. A pending job: nothing.
     """
     if job.status in FINISHED_STATUSES and job.finished_at is not None:
         took = duration_text(max((job.finished_at - job.created_at).total_seconds(), 0.0))
         return took, f"{job.get_status_display()} {took} after it was dispatched (waits and retries included)"
     if job.status == JobStatus.IN_PROGRESS:
         running = duration_text(max((timezone.now() - job.updated_at).total_seconds(), 0.0))
-        return f"running {running}", f"claimed by a worker {running} ago, at {time_text(job.updated_at)}"
+        return running, f"running: claimed by a worker {running} ago, at {time_text(job.updated_at)}"
     return "", ""
+
+
+def status_badge(job: Job) -> SafeString:
+    """``job``'s status, as a coloured badge (status_badges.css)."""
+    return format_html('<span class="job-status status-{}">{}</span>', job.status, job.get_status_display())
+
+
+def one_line(text: str, whole: str | None = None) -> SafeString:
+    """``text`` kept to one line of the list, cut with an ellipsis where its column ends; its
+    tooltip holds all of it (``whole``, when ``text`` was cut already)."""
+    return format_html('<span class="one-line" title="{}">{}</span>', text if whole is None else whole, text)
 
 
 @dataclass(frozen=True)
@@ -165,9 +176,17 @@ class Dependencies:
 
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):
-    # Queue and backend show under the job's name, its runs under its status: the list fits a
-    # 1280 px screen with the nav sidebar and the filters open.
-    list_display = ("short_id", "label", "status_and_runs", "created", "duration", "error_summary")
+    # One line per job, on a 1280 px screen with the nav sidebar and the filters open: the name,
+    # the queue and the error take the width left and are cut with an ellipsis (change_list.html).
+    list_display = (
+        "short_id",
+        "label",
+        "queue_and_backend",
+        "status_and_runs",
+        "created_on",
+        "duration",
+        "error_summary",
+    )
     list_display_links = ("short_id",)
     list_filter = ("status", "queue", "handler", "backend")
     search_fields = ("id", "name", "handler", "idempotency_key", "last_error")
@@ -191,34 +210,64 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.display(description="job", ordering="name")
     def label(self, obj: Job) -> SafeString:
-        return format_html('{}<div class="job-meta">{} · {}</div>', obj.name or obj.handler, obj.queue, obj.backend)
+        return one_line(obj.name or obj.handler)
+
+    @admin.display(description="queue · backend", ordering="queue")
+    def queue_and_backend(self, obj: Job) -> SafeString:
+        return one_line(f"{obj.queue} · {obj.backend}")
 
     @admin.display(description="status")
     def status_badge(self, obj: Job) -> SafeString:
         """The status; for a running job asked to abort, who asked and when, below it."""
-        badge = format_html('<span class="job-status status-{}">{}</span>', obj.status, obj.get_status_display())
         asked = abort_asked(obj)
-        return badge if asked is None else format_html('{}<div class="job-meta">{}</div>', badge, abort_note(asked))
+        if asked is None:
+            return status_badge(obj)
+        return format_html('{}<div class="job-meta">{}</div>', status_badge(obj), abort_note(asked))
 
-    @admin.display(description="status", ordering="status")
+    @admin.display(description="status · runs", ordering="status")
     def status_and_runs(self, obj: Job) -> SafeString:
-        return format_html('{}<div class="job-meta">runs {}</div>', self.status_badge(obj), self.runs(obj))
+        """Its status and its runs (``2/3``: two of the three it may have); for a running job
+        asked to abort, "aborting", with who asked and when in its tooltip."""
+        allowed = obj.max_retries + 1
+        runs = format_html(
+            '<span class="job-meta" title="{} of {} allowed">{}/{}</span>',
+            runs_text(obj.attempts),
+            allowed,
+            obj.attempts,
+            allowed,
+        )
+        asked = abort_asked(obj)
+        if asked is None:
+            return format_html("{} {}", status_badge(obj), runs)
+        return format_html(
+            '{} {} <span class="job-meta" title="{}">aborting</span>', status_badge(obj), runs, abort_note(asked)
+        )
 
-    @admin.display(description="runs", ordering="attempts")
-    def runs(self, obj: Job) -> str:
-        return f"{obj.attempts} / {obj.max_retries + 1}"
+    @admin.display(description="created", ordering="created_at")
+    def created_on(self, obj: Job) -> SafeString:
+        """Its time if it was created today, else its day; to the second in its tooltip."""
+        created = timezone.template_localtime(obj.created_at)
+        today = timezone.template_localtime(timezone.now()).date()
+        shown = formats.date_format(created, "H:i:s" if created.date() == today else "Y-m-d")
+        return format_html('<span title="{}">{}</span>', time_text(obj.created_at), shown)
 
     @admin.display(description="time to finish")
     def duration(self, obj: Job) -> SafeString | str:
+        """Its time to finish; a running job's time so far, greyed."""
         text, title = job_duration(obj)
-        return format_html('<span title="{}">{}</span>', title, text) if text else "—"
+        if not text:
+            return "—"
+        if obj.status == JobStatus.IN_PROGRESS:
+            return format_html('<span class="job-meta" title="{}">{}</span>', title, text)
+        return format_html('<span title="{}">{}</span>', title, text)
 
     @admin.display(description="last error")
     def error_summary(self, obj: Job) -> SafeString | str:
-        if not obj.last_error:
+        """The first line of the last error, unless the job completed (a run before failed)."""
+        if not obj.last_error or obj.status == JobStatus.COMPLETED:
             return "—"
         whole = first_line(obj.last_error, len(obj.last_error))
-        return format_html('<span title="{}">{}</span>', whole, first_line(whole, LIST_ERROR_CHARS))
+        return one_line(first_line(whole, LIST_ERROR_CHARS), whole)
 
     @admin.display(description="last error")
     def last_error_display(self, obj: Job) -> SafeString:

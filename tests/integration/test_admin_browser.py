@@ -2,7 +2,8 @@
 ``/usr/bin/chromedriver``, against pytest-django's ``live_server``.
 
 A superuser logs in through the login form and reads the job list (a badge per status, short
-ids, no horizontal scrolling at 1280 px with the nav sidebar open), opens a job that failed after
+ids, one line per job and no horizontal scrolling at 1280 px with the nav sidebar open, long
+names and errors cut with an ellipsis and whole in their tooltips), opens a job that failed after
 three runs, reads its attempt history, retries it with the job page's Retry button, finds the
 retry in the job's History page, and cancels a pending job with the list's Cancel action. A
 staff user who may only view jobs reads the list, a job page and the dashboard, is offered no
@@ -141,6 +142,45 @@ def no_horizontal_scroll(driver: Any) -> bool:
     return fits
 
 
+def row_heights_in_lines(driver: Any) -> list[float]:
+    """The height of each row of the list, less its cells' padding, in lines of its text."""
+    heights: list[float] = driver.execute_script(
+        """
+        return [...document.querySelectorAll("#result_list tbody tr")].map(row => {
+            const style = getComputedStyle(row.cells[0]);
+            const inner = row.cells[0].clientHeight - parseFloat(style.paddingTop) - parseFloat(style.paddingBottom);
+            return inner / parseFloat(style.lineHeight);
+        });
+        """
+    )
+    return heights
+
+
+def overflowing_cells(driver: Any) -> list[str]:
+    """The list's cells whose content does not fit them, unless it is cut with an ellipsis and
+    holds its whole text in a title; and those that reach past the table's edge."""
+    found: list[str] = driver.execute_script(
+        """
+        const table = document.querySelector("#result_list").getBoundingClientRect();
+        const found = [];
+        for (const cell of document.querySelectorAll("#result_list tbody td, #result_list tbody th")) {
+            const name = cell.className + ": " + cell.innerText.trim();
+            if (cell.getBoundingClientRect().right > table.right + 0.5) found.push("past the edge " + name);
+            for (const box of [cell, ...cell.querySelectorAll("*")]) {
+                if (box.scrollWidth <= box.clientWidth) continue;
+                const text = box.innerText.trim().replace(/…$/, "");
+                const style = getComputedStyle(box);
+                const title = box.title || box.closest("[title]")?.title || "";
+                if (style.textOverflow !== "ellipsis" || style.overflowX !== "hidden" || !title.startsWith(text))
+                    found.push(name);
+            }
+        }
+        return found;
+        """
+    )
+    return found
+
+
 def open_from_index(driver: Any, live_server: Any, model: str) -> None:
     """The admin index, then its link to ``model``'s page (as listed under the app)."""
     from selenium.webdriver.common.by import By
@@ -216,8 +256,14 @@ def messages(driver: Any, level: str) -> list[str]:
 def one_of_each_status(failed_job: Any) -> dict[str, str]:
     """A job in each status, by status (the failed one after three runs, with an attempt history)."""
     jobs = {"failed": failed_job(runs=3)}
-    jobs["completed"] = scripted.using(name="nightly report").dispatch(action="ok")
-    assert QueueWorker("default").process_once().job_id == jobs["completed"]
+    # Completed on its second run: its row still holds the first run's error.
+    jobs["completed"] = scripted.using(name="nightly report", max_retries=1).dispatch(
+        action="flaky", key="nightly", fail_times=1
+    )
+    for _ in range(2):
+        Job.objects.filter(pk=jobs["completed"]).update(available_at=timezone.now())
+        assert QueueWorker("default").process_once().job_id == jobs["completed"]
+    assert Job.objects.get(pk=jobs["completed"]).last_error.startswith("RuntimeError: flaky failure")
     jobs["in_progress"] = scripted.using(name="import catalogue").dispatch(action="ok")
     assert Jobs.backend("default").fetch("default").token == jobs["in_progress"]  # a worker holds it
     jobs["cancelled"] = scripted.using(name="old newsletter").dispatch(action="ok")
@@ -262,6 +308,17 @@ def test_the_job_admin_in_the_browser(live_server, browser, django_user_model, f
     assert len(error.text) == 60 and error.text.endswith("…")
     assert browser.find_element(By.ID, "nav-sidebar").is_displayed()
     assert no_horizontal_scroll(browser)
+    # One line per job: a long name or error is cut with an ellipsis and holds all of it in its
+    # title; the queue and backend have a column of their own; a completed job shows no error.
+    assert max(row_heights_in_lines(browser)) < 2
+    assert overflowing_cells(browser) == []
+    rows = {row[1]: row[2:] for row in table(browser, "#result_list tbody tr")}
+    assert rows[short(jobs["pending"])][:2] == ["welcome mail", "emails · default"]
+    assert rows[short(jobs["completed"])][-1] == "—"
+    label = browser.find_element(By.CSS_SELECTOR, f"input[value='{job_id}']").find_element(
+        By.XPATH, "ancestor::tr//td[contains(@class, 'field-label')]/span"
+    )
+    assert label.get_attribute("title") == "tests.testapp.jobs.scripted"
     assert browser.find_element(By.LINK_TEXT, "DASHBOARD") and browser.find_element(By.LINK_TEXT, "WORKERS")
     for_docs(screenshot(browser, "changelist"), "admin-changelist")
     browser.execute_script("document.documentElement.dataset.theme = 'dark'")  # this page only

@@ -356,27 +356,54 @@ def cell(page: str, job_id: str, column: str) -> str:
     return found.group(1)
 
 
-def test_the_list_shows_badges_short_ids_and_times_to_the_second(superuser_client, failed_job):
+def test_the_list_shows_badges_short_ids_and_one_line_cells(superuser_client, failed_job):
     failed = failed_job(runs=1)
     pending = scripted.dispatch(action="ok")
+    yesterday = scripted.dispatch(action="ok")
+    Job.objects.filter(pk=yesterday).update(created_at=timezone.now() - timedelta(days=1))
 
     page = superuser_client.get(reverse(CHANGELIST)).content.decode()
 
     assert cell(page, failed, "status_and_runs") == (
-        '<span class="job-status status-failed">Failed</span><div class="job-meta">runs 1 / 1</div>'
+        '<span class="job-status status-failed">Failed</span> <span class="job-meta" title="1 run of 1 allowed">1/1</span>'
     )
     assert cell(page, pending, "status_and_runs") == (
-        '<span class="job-status status-pending">Pending</span><div class="job-meta">runs 0 / 1</div>'
+        '<span class="job-status status-pending">Pending</span> '
+        '<span class="job-meta" title="0 runs of 1 allowed">0/1</span>'
     )
-    assert cell(page, failed, "label") == 'tests.testapp.jobs.scripted<div class="job-meta">default · default</div>'
+    handler = "tests.testapp.jobs.scripted"
+    assert cell(page, failed, "label") == f'<span class="one-line" title="{handler}">{handler}</span>'
+    assert cell(page, failed, "queue_and_backend") == (
+        '<span class="one-line" title="default · default">default · default</span>'
+    )
     url = reverse("admin:django_jobs_job_change", args=[failed])
     assert cell(page, failed, "short_id") == f'<a href="{url}"><span title="{failed}">{short(failed)}</span></a>'
-    job = Job.objects.get(pk=failed)
-    assert cell(page, failed, "created") == f"{job.created_at:%Y-%m-%d %H:%M:%S}"
+    # Created today: its time; before: its day; to the second in its tooltip either way.
+    created = timezone.localtime(Job.objects.get(pk=failed).created_at)
+    assert cell(page, failed, "created_on") == f'<span title="{created:%Y-%m-%d %H:%M:%S}">{created:%H:%M:%S}</span>'
+    before = timezone.localtime(Job.objects.get(pk=yesterday).created_at)
+    assert cell(page, yesterday, "created_on") == f'<span title="{before:%Y-%m-%d %H:%M:%S}">{before:%Y-%m-%d}</span>'
     assert cell(page, failed, "error_summary") == (
-        '<span title="RuntimeError: scripted failure">RuntimeError: scripted failure</span>'
+        '<span class="one-line" title="RuntimeError: scripted failure">RuntimeError: scripted failure</span>'
     )
     assert cell(page, pending, "error_summary") == "—"
+
+
+def test_a_completed_job_shows_no_error_from_a_run_before(superuser_client):
+    retried = scripted.using(max_retries=1).dispatch(action="flaky", key="twice", fail_times=1)
+    worker = QueueWorker("default")
+    for _ in range(2):
+        Job.objects.filter(pk=retried).update(available_at=timezone.now())
+        assert worker.process_once().job_id == retried
+    assert Job.objects.get(pk=retried).status == "completed"
+    assert Job.objects.get(pk=retried).last_error.startswith("RuntimeError: flaky failure")
+    retrying = scripted.dispatch(action="ok")
+    Job.objects.filter(pk=retrying).update(attempts=1, last_error="ValueError: first run")
+
+    page = superuser_client.get(reverse(CHANGELIST)).content.decode()
+
+    assert cell(page, retried, "error_summary") == "—"
+    assert "ValueError: first run" in cell(page, retrying, "error_summary")  # pending a retry: shown
 
 
 def test_the_last_error_column_shows_the_start_of_its_first_line(superuser_client):
@@ -386,7 +413,7 @@ def test_the_last_error_column_shows_the_start_of_its_first_line(superuser_clien
 
     shown = cell(superuser_client.get(reverse(CHANGELIST)).content.decode(), job_id, "error_summary")
 
-    title, text = re.fullmatch(r'<span title="([^"]*)">([^<]*)</span>', shown).groups()
+    title, text = re.fullmatch(r'<span class="one-line" title="([^"]*)">([^<]*)</span>', shown).groups()
     assert title == first.strip()
     assert len(text) == 60 and text.endswith("…") and first.startswith(text[:-1])
 
@@ -408,7 +435,8 @@ def test_the_time_to_finish_of_a_finished_job_and_the_running_time_of_one_in_pro
         '<span title="Completed 2 min 5 s after it was dispatched (waits and retries included)">2 min 5 s</span>'
     )
     assert re.fullmatch(
-        rf'<span title="claimed by a worker 2 h 5 min ago, at {claimed:%Y-%m-%d %H:%M:%S}">running 2 h 5 min</span>',
+        rf'<span class="job-meta" title="running: claimed by a worker 2 h 5 min ago, '
+        rf'at {claimed:%Y-%m-%d %H:%M:%S}">2 h 5 min</span>',
         cell(page, running, "duration"),
     )
     assert cell(page, waiting, "duration") == "—"
@@ -555,7 +583,7 @@ def test_a_running_job_asked_to_abort_says_who_asked_and_when_instead_of_an_abor
         *note.split(),
     ]
     listed = superuser_client.get(reverse(CHANGELIST)).content.decode()
-    assert note in listed  # under its status in the list too
+    assert note in listed  # the list says "aborting", who asked and when in its tooltip
 
 
 def test_the_retry_button_requeues_the_job_and_logs_it(superuser_client, failed_job):
