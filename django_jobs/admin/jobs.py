@@ -197,11 +197,19 @@ class JobAdmin(admin.ModelAdmin):
     created = shown_to_the_second("created_at")
     updated = shown_to_the_second("updated_at")
     finished = shown_to_the_second("finished_at")
+    # The job's own fields take three lines, and its attempt history follows them
+    # (change_form.html): on the screen as a failed job's page opens. The timing is folded.
     fieldsets = (
-        (None, {"fields": ("id", "name", "handler", "queue", "backend", "status_badge")}),
+        (None, {"fields": ("id", ("name", "handler"), ("queue", "backend", "status_badge"))}),
         ("Attempts", {"fields": ("attempts", "max_retries", "last_error_display")}),
         ("Payload", {"fields": ("payload_display", "options", "idempotency_key")}),
-        ("Timing", {"fields": ("priority", "timeout", "available", "leased", "created", "updated", "finished")}),
+        (
+            "Timing",
+            {
+                "classes": ["collapse"],
+                "fields": ("priority", "timeout", "available", "leased", "created", "updated", "finished"),
+            },
+        ),
     )
 
     @admin.display(description="id", ordering="id")

@@ -53,7 +53,7 @@ from tests.testapp.jobs import remember, scripted
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-WIDTH = 1280
+WIDTH, HEIGHT = 1280, 900  # a laptop's screen: what shows of a page before scrolling
 ARTIFACTS = REPO_ROOT / "test-artifacts" / "admin"
 DOC_IMAGES = REPO_ROOT / "docs" / "images"
 RETRIED = "Retried (was failed after 3 runs: RuntimeError: scripted failure)"
@@ -70,7 +70,7 @@ pytestmark = pytest.mark.usefixtures("clean_state")
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    """A headless chromium, 1280 px wide, driven through Debian's chromedriver."""
+    """A headless chromium, 1280x900, driven through Debian's chromedriver."""
     require_service("chromium", CHROMIUM.is_file(), f"{CHROMIUM} is missing (apt-get install chromium)")
     require_service(
         "chromedriver", CHROMEDRIVER.is_file(), f"{CHROMEDRIVER} is missing (apt-get install chromium-driver)"
@@ -82,7 +82,7 @@ def browser() -> Iterator[Any]:
         require_service("selenium", False, f"{exc} (pip install -e '.[test]')")
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", f"--window-size={WIDTH},1000"):
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", f"--window-size={WIDTH},{HEIGHT}"):
         options.add_argument(argument)
     driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
     driver.implicitly_wait(IMPLICIT_WAIT)
@@ -179,6 +179,19 @@ def overflowing_cells(driver: Any) -> list[str]:
         """
     )
     return found
+
+
+def above_the_fold(driver: Any, element: Any) -> bool:
+    """``element`` shows whole in the window as the page opens, before any scrolling (the
+    window is ``HEIGHT`` px high, its frame included: the page gets less)."""
+    fits: bool = driver.execute_script(
+        """
+        const box = arguments[0].getBoundingClientRect();
+        return window.scrollY === 0 && box.height > 0 && box.bottom <= window.innerHeight;
+        """,
+        element,
+    )
+    return fits
 
 
 def open_from_index(driver: Any, live_server: Any, model: str) -> None:
@@ -324,9 +337,14 @@ def test_the_job_admin_in_the_browser(live_server, browser, django_user_model, f
     browser.execute_script("document.documentElement.dataset.theme = 'dark'")  # this page only
     screenshot(browser, "changelist-dark")
 
-    # The job page lists the three attempts, oldest first.
+    # The job page lists the three attempts, oldest first, near its top: on the screen as the
+    # page opens, the timing fields folded below.
     browser.find_element(By.LINK_TEXT, short(job_id)).click()
     rows = browser.find_elements(By.CSS_SELECTOR, "#attempt-history tbody.attempt")
+    assert above_the_fold(browser, browser.find_element(By.ID, "attempt-history"))
+    timing = browser.find_element(By.XPATH, "//fieldset[.//h2[normalize-space()='Timing']]")
+    assert timing.find_element(By.TAG_NAME, "details").get_attribute("open") is None
+    assert not timing.find_element(By.CSS_SELECTOR, ".field-finished").is_displayed()
     outcomes = [row.find_element(By.CSS_SELECTOR, ".outcome").text for row in rows]
     assert outcomes == ["Retrying", "Retrying", "Failed"]
     assert [row.find_element(By.CSS_SELECTOR, "td").text for row in rows] == ["1", "2", "3"]
