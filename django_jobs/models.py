@@ -216,6 +216,7 @@ class Worker(models.Model):
     last_seen = models.DateTimeField(default=timezone.now, db_index=True)
     stopped_at = models.DateTimeField(null=True, blank=True)
     current_job = models.CharField(max_length=64, blank=True, help_text="Id of the job running now.")
+    current_job_name = models.CharField(max_length=255, blank=True, help_text="Its name, or else its handler.")
     current_job_started = models.DateTimeField(null=True, blank=True)
     processed = models.PositiveBigIntegerField(default=0, help_text="Deliveries since the process started.")
 

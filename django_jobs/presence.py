@@ -39,6 +39,8 @@ logger = logging.getLogger("django_jobs.worker")
 # (the dashboard's longest window is a week).
 KEEP_WORKERS = timedelta(days=7)
 KEEP_THROUGHPUT = timedelta(days=8)
+# The longest name of a job in hand the row holds (a broker's message may carry a longer one).
+NAME_CHARS: int = Worker._meta.get_field("current_job_name").max_length or 255
 # How long ``stop()`` waits for the last beat (it cannot hold up a stopping worker for long).
 STOP_WAIT = 5.0
 # The ``Throughput`` column each outcome adds to; other outcomes count as processed only.
@@ -162,6 +164,7 @@ class Presence:
                 "last_seen": now,
                 "stopped_at": now if stopping else None,
                 "current_job": current[0] if current else "",
+                "current_job_name": current[2][:NAME_CHARS] if current else "",
                 "current_job_started": now - timedelta(seconds=max(time.time() - current[1], 0.0)) if current else None,
                 "processed": sum(tally.values()),
             },

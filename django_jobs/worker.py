@@ -146,9 +146,9 @@ class QueueWorker:
         # supervisor recovers the claims of a worker process that died (``recover_claims``).
         self.in_hand: Callable[[Lease, bool], None] | None = None
         # Read by the presence thread (:mod:`~django_jobs.presence`), written here only: the
-        # job in hand (its id, and ``time.time()`` when it started) and the deliveries so far
-        # per (queue, outcome), which only ever grow.
-        self.current: tuple[str, float] | None = None
+        # job in hand (its id, ``time.time()`` when it started, and its name or else its handler)
+        # and the deliveries so far per (queue, outcome), which only ever grow.
+        self.current: tuple[str, float, str] | None = None
         self.tally: dict[tuple[str, Outcome], int] = {}
         # An unreachable backend is logged in one line per try; ``tracebacks`` adds each one's.
         self.tracebacks = tracebacks
@@ -172,7 +172,10 @@ class QueueWorker:
     def process(self, lease: Lease) -> WorkerResult:
         """Verify, run and settle one fetched lease. Never raises for a job's own failure."""
         envelope, in_hand = lease.envelope, self.in_hand
-        self.current = (lease.token if envelope is None else envelope.id, time.time())
+        if envelope is None:
+            self.current = (lease.token, time.time(), "")
+        else:
+            self.current = (envelope.id, time.time(), envelope.name or envelope.handler)
         if in_hand is not None:
             in_hand(lease, True)
         try:

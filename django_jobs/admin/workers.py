@@ -16,6 +16,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
+from ..ids import short
 from ..models import Job, Worker, WorkerQuerySet
 from .jobs import duration_text
 
@@ -24,8 +25,6 @@ NOTE = (
     f"A worker writes its row every {Worker.BEAT.seconds} s; "
     f"one not seen for {Worker.DEAD_AFTER.seconds} s is dead (killed or its host lost)."
 )
-# A job id is shown cut to this many characters (the whole id is its tooltip).
-JOB_ID_CHARS = 10
 DATE_FORMAT, TIME_FORMAT = "%Y-%m-%d", "%H:%M:%S"
 
 
@@ -82,11 +81,11 @@ def known_jobs(ids: Iterable[str]) -> set[str]:
 
 
 def job_cell(job_id: str, known: bool) -> SafeString | str:
-    """A job id, cut short (the whole id is its tooltip), linked to its page when ``known``."""
+    """A job id's tail (:func:`~django_jobs.ids.short`; the whole id is its tooltip), linked to
+    its page when ``known``."""
     if not job_id:
         return "—"
-    shown = job_id if len(job_id) <= JOB_ID_CHARS else job_id[: JOB_ID_CHARS - 1] + "…"
-    code = format_html('<code title="{}">{}</code>', job_id, shown)
+    code = format_html('<code title="{}">{}</code>', job_id, short(job_id))
     if not known:
         return code
     return format_html('<a href="{}">{}</a>', reverse("admin:django_jobs_job_change", args=[job_id]), code)
@@ -154,10 +153,13 @@ class WorkerAdmin(admin.ModelAdmin):
 
     @admin.display(description="current job")
     def job(self, obj: Worker) -> SafeString | str:
-        """Its id (linked to its page when it has a ``Job`` row) over how long it has run."""
+        """Its name (or handler; none for an undecodable message) over its id (linked to its page
+        when it has a ``Job`` row) over how long it has run."""
         if not obj.current_job:
             return "—"
         code = job_cell(obj.current_job, getattr(obj, "job_known", False))
         started = obj.current_job_started
         runtime = "" if started is None else duration_text(max((self._now(obj) - started).total_seconds(), 0.0))
-        return two_lines(code, runtime)
+        below = two_lines(code, runtime)
+        name = obj.current_job_name
+        return format_html('<span class="job-name" title="{}">{}</span>{}', name, name, below) if name else below

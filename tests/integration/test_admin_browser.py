@@ -619,6 +619,7 @@ def test_the_workers_panel_in_the_browser(live_server, browser, django_user_mode
             started_at=now - timedelta(hours=3, minutes=12),
             last_seen=now - timedelta(seconds=2),
             current_job=running_job,
+            current_job_name="import catalogue",
             current_job_started=now - timedelta(seconds=42),
             processed=1873,
         ),
@@ -653,6 +654,7 @@ def test_the_workers_panel_in_the_browser(live_server, browser, django_user_mode
             started_at=now - timedelta(hours=6),
             last_seen=now - timedelta(minutes=14),
             current_job="5e0c2a7d41b94f3b8c6d",
+            current_job_name="shop.jobs.resize_product_images",
             current_job_started=now - timedelta(minutes=15),
             processed=96,
         ),
@@ -673,6 +675,21 @@ def test_the_workers_panel_in_the_browser(live_server, browser, django_user_mode
     dead = browser.find_element(By.XPATH, "//*[@id='result_list']//tr[.//*[contains(@class, 'state-dead')]]")
     assert absent(browser, "td.field-job a", scope=dead)
     assert dead.find_element(By.CSS_SELECTOR, "td.field-job code").get_attribute("title") == "5e0c2a7d41b94f3b8c6d"
+    # Each job in hand: its name (or handler) over the tail of its id and its runtime.
+    in_hand = browser.execute_script(
+        """
+        return [...document.querySelectorAll("#result_list td.field-job")].filter(cell => cell.querySelector("code"))
+            .map(cell => {
+                const id = cell.querySelector("code"), name = cell.querySelector(".job-name");
+                return [name.title, id.innerText, name.getBoundingClientRect().bottom <= id.getBoundingClientRect().top];
+            });
+        """
+    )
+    assert in_hand == [
+        ["import catalogue", short(running_job), True],
+        ["shop.jobs.resize_product_images", short("5e0c2a7d41b94f3b8c6d"), True],
+    ]
+    assert overflowing_cells(browser) == []
     assert no_horizontal_scroll(browser)
     for_docs(screenshot(browser, "workers"), "admin-workers")
 

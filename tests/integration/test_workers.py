@@ -21,6 +21,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from django_jobs import presence as presence_module
+from django_jobs.ids import short
 from django_jobs.models import Job, Throughput, Worker
 from django_jobs.pipeline import Outcome
 from django_jobs.presence import Presence
@@ -115,11 +116,11 @@ def test_beats_write_the_row_the_job_in_hand_and_throughput_per_minute(presence_
         return real_process(lease)
 
     worker.pipeline.process = process
-    first = scripted.dispatch(action="ok")
+    first = scripted.using(name="nightly report").dispatch(action="ok")
     assert worker.process_once().status == Outcome.ACKED
     assert in_hand[0][0] == first and worker.current is None
     row = worker_row(presence)
-    assert row.current_job == first and row.processed == 0
+    assert (row.current_job, row.current_job_name, row.processed) == (first, "nightly report", 0)
     assert timedelta(0) <= row.last_seen - row.current_job_started < timedelta(seconds=5)
     worker.pipeline.process = real_process
 
@@ -220,8 +221,10 @@ def test_the_thread_survives_an_outage_prunes_old_rows_and_stop_marks_the_row_st
         assert [t.minute.date() for t in Throughput.objects.using(presence_db).filter(worker=old.id)] == [
             (now - timedelta(days=7)).date()
         ]
-        worker.current = ("job-in-hand", time.time())
+        long_name = "shop.jobs." + "x" * 300  # a broker's message may carry a name of any length
+        worker.current = ("job-in-hand", time.time(), long_name)
         wait_until(lambda: worker_row(presence).current_job == "job-in-hand", 10, "the job in hand")
+        assert worker_row(presence).current_job_name == long_name[:255]
         assert worker_row(presence).state() == "running"
     finally:
         presence.stop()
@@ -277,12 +280,13 @@ def panel_rows(db) -> dict[str, Worker]:
     rows = {
         "running": Worker(
             id="alpha:101:a1", hostname="alpha", pid=101, backend="default", queues=["default", "emails"], last_seen=now,
-            current_job=job_id, current_job_started=now - timedelta(seconds=75), processed=1234,
+            current_job=job_id, current_job_name="nightly report", current_job_started=now - timedelta(seconds=75),
+            processed=1234,
         ),
         "broker": Worker(
             id="beta:202:b2", hostname="beta", pid=202, backend="redis", queues=["default"],
             last_seen=now - timedelta(seconds=1),
-            current_job="f" * 32, current_job_started=now - timedelta(seconds=3),
+            current_job="f" * 32, current_job_name="<resize> images", current_job_started=now - timedelta(seconds=3),
         ),
         "stopped": Worker(
             id="gamma:303:c3", hostname="gamma", pid=303, backend="default",
@@ -315,9 +319,13 @@ def test_panel_shows_each_state_the_job_in_hand_and_no_add_button(admin_client, 
     assert "one not seen for 30 s is dead" in html
     assert reverse("admin:django_jobs_worker_add") not in html
     job_id = panel_rows["running"].current_job
-    assert f'href="{reverse("admin:django_jobs_job_change", args=[job_id])}"' in html
+    url = reverse("admin:django_jobs_job_change", args=[job_id])
+    # The job in hand: its name over its id's tail (linked to its page when it has a Job row),
+    # over its runtime; a broker's job has no Job row: its id is text, not a link.
+    name = '<span class="job-name" title="nightly report">nightly report</span>'
+    assert f'{name}<a href="{url}"><code title="{job_id}">{short(job_id)}</code></a>' in html
     assert "1 min 15 s" in html and "1234" in html  # its runtime, deliveries processed
-    assert f'<code title="{"f" * 32}">' in html  # a broker's job has no Job row: text, no link
+    assert f'&lt;resize&gt; images</span><code title="{"f" * 32}">ffffffff</code>' in html
     assert "42 s ago" in html  # the dead worker's last_seen
     assert "default, emails" in html
 
