@@ -267,8 +267,8 @@ class Schedule(models.Model):
 
     The settings are the source of truth: each scheduler writes the entries it reads at start,
     and disables (never deletes) the rows of entries no longer in the settings, so their ticks
-    stay in the history. ``next_run`` and ``last_run`` are for people (the admin); which ticks
-    are due is worked out from the entry and its ``ScheduleTick`` rows.
+    stay in the history. ``next_run``, ``last_run`` and ``last_pass_at`` are for people (the
+    admin); which ticks are due is worked out from the entry and its ``ScheduleTick`` rows.
     """
 
     name = models.CharField(primary_key=True, max_length=200)
@@ -282,6 +282,9 @@ class Schedule(models.Model):
     last_job_id = models.CharField(max_length=64, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
+    last_pass_at = models.DateTimeField(
+        null=True, blank=True, help_text="When a scheduler with this entry in its settings last passed (every 15 s)."
+    )
 
     class Meta:
         ordering = ["name"]

@@ -61,6 +61,9 @@ MAX_SKEW = timedelta(seconds=60)
 REDISPATCH_AFTER = timedelta(seconds=30) + MAX_SKEW
 # The longest wait between passes while they fail (the database is unreachable).
 MAX_BACKOFF = 30.0
+# How often a scheduler records its passes on its entries' rows (``Schedule.last_pass_at``),
+# at most: the admin warns when none has passed for a minute. One update every 15 s, not a pass.
+RECORD_PASS = timedelta(seconds=15)
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ class Scheduler:
         self._reached: dict[str, datetime] = {}
         # Entry name -> the tick whose failure was logged: a retry failing again logs at DEBUG.
         self._failing: dict[str, datetime | None] = {}
+        self._recorded: datetime | None = None  # when this scheduler last recorded a pass
 
     # -- the settings, in the database --
 
@@ -189,7 +193,16 @@ class Scheduler:
             self._failing.pop(entry.name, None)
             if dispatched is not None:
                 done.append(dispatched)
+        self._record_pass(now)
         return done
+
+    def _record_pass(self, now: datetime) -> None:
+        """Write ``now`` as the last pass of this scheduler's entries, ``RECORD_PASS`` after the
+        last write (at once if its clock went back)."""
+        if self._recorded is not None and timedelta(0) <= now - self._recorded < RECORD_PASS:
+            return
+        Schedule.objects.using(self.alias).filter(name__in=list(self.entries)).update(last_pass_at=now)
+        self._recorded = now
 
     def _due(self, entry: Entry, created: datetime, claims: _Claims, now: datetime) -> datetime | None:
         """The tick to dispatch now, if any: the latest one at or before ``now``, after the entry

@@ -1,16 +1,19 @@
 """The schedules: each entry of ``JOBS["SCHEDULE"]`` as the schedulers last synced it, its
-latest ticks, and a "run now" action. Read-only: the settings are the source of truth."""
+latest ticks, and a "run now" action; a warning when no scheduler passes. Read-only: the
+settings are the source of truth."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.views.main import ChangeList
-from django.db.models import Count, Q, QuerySet
+from django.db.models import Count, Max, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
@@ -29,6 +32,9 @@ NOTE = (
 TICKS_SHOWN = 25
 # A schedule's state and the job status badge whose colour it wears (status_badges.css).
 BADGES = {"enabled": "completed", "disabled": "cancelled", "removed from settings": "in_progress"}
+# A schedule no scheduler has passed over for this long is not dispatched: the list warns. Four
+# times the interval at which schedulers record their passes (``scheduler.RECORD_PASS``).
+UNATTENDED_AFTER = timedelta(minutes=1)
 
 
 def state(schedule: Schedule) -> str:
@@ -36,6 +42,34 @@ def state(schedule: Schedule) -> str:
     if not schedule.in_settings:
         return "removed from settings"
     return "enabled" if schedule.enabled else "disabled"
+
+
+def unattended(last_pass: datetime | None, now: datetime) -> bool:
+    """No scheduler has passed for ``UNATTENDED_AFTER`` (none ever did, for ``None``)."""
+    return last_pass is None or last_pass < now - UNATTENDED_AFTER
+
+
+def overdue(schedule: Schedule, now: datetime) -> str:
+    """What to say of a next run that is past: ``overdue: no scheduler running`` when no
+    scheduler with the entry in its settings passes, else ``overdue`` (its dispatch fails);
+    nothing for a next run to come."""
+    if schedule.next_run is None or schedule.next_run > now:
+        return ""
+    return "overdue: no scheduler running" if unattended(schedule.last_pass_at, now) else "overdue"
+
+
+def scheduler_warning(now: datetime) -> SafeString | str:
+    """The warning above the list when schedules are enabled and no scheduler has passed for
+    ``UNATTENDED_AFTER``, else nothing (one query)."""
+    seen = Schedule.objects.aggregate(last=Max("last_pass_at"), enabled=Count("pk", filter=Q(enabled=True)))
+    if not seen["enabled"] or not unattended(seen["last"], now):
+        return ""
+    last = f"the last pass: {time_text(seen['last'])}" if seen["last"] else "none recorded"
+    return format_html(
+        "No scheduler has passed for over a minute ({}): enabled schedules are not dispatched. "
+        "Run <code>manage.py jobs_schedule</code>, or <code>jobs_work --with-scheduler</code>.",
+        last,
+    )
 
 
 def ran_message(job_ids: list[str]) -> str:
@@ -85,7 +119,7 @@ class ScheduleAdmin(admin.ModelAdmin):
     list_per_page = 50
     fieldsets = (
         (None, {"fields": ("name", "description", "time_zone", "state_badge")}),
-        ("Runs", {"fields": ("next_run_display", "last_run_display", "last_job", "dispatched")}),
+        ("Runs", {"fields": ("next_run_display", "last_run_display", "last_job", "dispatched", "last_pass")}),
         ("Definition", {"fields": ("definition_display", "created", "updated")}),
     )
     readonly_fields = (
@@ -97,6 +131,7 @@ class ScheduleAdmin(admin.ModelAdmin):
         "last_run_display",
         "last_job",
         "dispatched",
+        "last_pass",
         "definition_display",
         "created",
         "updated",
@@ -122,15 +157,19 @@ class ScheduleAdmin(admin.ModelAdmin):
         return allowed
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
-        return super().changelist_view(request, {"title": "Schedules", "schedules_note": NOTE, **(extra_context or {})})
+        shown = {"title": "Schedules", "schedules_note": NOTE, "scheduler_warning": scheduler_warning(timezone.now())}
+        return super().changelist_view(request, {**shown, **(extra_context or {})})
 
     def get_changelist_instance(self, request: HttpRequest) -> ChangeList:
-        """The page's schedules, each told whether its last job has a page (one query for all)."""
+        """The page's schedules, each told whether its last job has a page (one query for all)
+        and whether its next run is overdue."""
         changelist: ChangeList = super().get_changelist_instance(request)
         schedules = list(changelist.result_list)  # evaluated once: the template reads the same rows
         known = known_jobs(schedule.last_job_id for schedule in schedules)
+        now = timezone.now()
         for schedule in schedules:
             schedule.job_known = schedule.last_job_id in known
+            schedule.overdue = overdue(schedule, now)
         return changelist
 
     def render_change_form(
@@ -161,7 +200,10 @@ class ScheduleAdmin(admin.ModelAdmin):
 
     @admin.display(description="next run", ordering="next_run")
     def next(self, obj: Schedule) -> SafeString | str:
-        return self._two_line_time(obj.next_run)
+        """Its next run; below it, whether it is overdue."""
+        shown = self._two_line_time(obj.next_run)
+        late = getattr(obj, "overdue", "")
+        return format_html('{}<div class="overdue">{}</div>', shown, late) if late else shown
 
     @admin.display(description="last run", ordering="last_run")
     def last(self, obj: Schedule) -> SafeString | str:
@@ -177,7 +219,12 @@ class ScheduleAdmin(admin.ModelAdmin):
 
     @admin.display(description="next run")
     def next_run_display(self, obj: Schedule) -> str:
-        return time_text(obj.next_run)
+        late = overdue(obj, timezone.now())
+        return f"{time_text(obj.next_run)} ({late})" if late else time_text(obj.next_run)
+
+    @admin.display(description="last scheduler pass")
+    def last_pass(self, obj: Schedule) -> str:
+        return time_text(obj.last_pass_at)
 
     @admin.display(description="last run")
     def last_run_display(self, obj: Schedule) -> str:

@@ -13,12 +13,15 @@ with the ``view_worker`` permission (and then without a delete action).
 The dashboard, over jobs, failures and per-minute counts of the database backend and Redis: its
 queue table's counts, its two charts, a failed count that opens the job list filtered to those
 jobs, and the handlers failing most. The workers panel, over a running, a stopped and a dead
-worker: state badges, the running one's job linked to its page, the "dead" filter.
+worker: state badges, the name of each one's job over its id, the running one's job linked to its
+page, the "dead" filter. The schedules list, after the last scheduler stopped ten minutes ago
+(by the clock it was given): its warning, a past next run said to be overdue; then after a pass.
 
 Full-page screenshots (1280 px wide) go to ``test-artifacts/admin/``.
-``JOBS_UPDATE_DOC_SCREENSHOTS=1`` also copies the job list's, the job page's, the dashboard's and
-the workers panel's to ``docs/images/admin-changelist.png``, ``admin-job-history.png``,
-``admin-dashboard.png`` and ``admin-workers.png``, the screenshots the docs show.
+``JOBS_UPDATE_DOC_SCREENSHOTS=1`` also copies the job list's, the job page's, the dashboard's,
+the workers panel's and the schedules list's to ``docs/images/admin-changelist.png``,
+``admin-job-history.png``, ``admin-dashboard.png``, ``admin-workers.png`` and
+``admin-schedules.png``, the screenshots the docs show.
 
 Without chromium, chromedriver or selenium the test skips locally and fails under ``CI=true``
 (so do the dashboard's, without Redis). Selenium is given the driver's path, so selenium-manager
@@ -46,6 +49,8 @@ from django.utils import timezone
 from django_jobs import Jobs, operations
 from django_jobs.ids import short
 from django_jobs.models import Job, JobAttempt, Throughput, Worker
+from django_jobs.scheduler import Scheduler
+from django_jobs.schedules import parse_entry
 from django_jobs.worker import QueueWorker
 from tests.conftest import require_service
 from tests.procs import REPO_ROOT
@@ -702,3 +707,43 @@ def test_the_workers_panel_in_the_browser(live_server, browser, django_user_mode
     browser.find_element(By.CSS_SELECTOR, "td.field-job a").click()
     assert browser.current_url == f"{live_server.url}{reverse('admin:django_jobs_job_change', args=[running_job])}"
     assert browser.find_element(By.CSS_SELECTOR, ".field-status_badge .job-status").text == "In progress"
+
+
+# -- The schedules --------------------------------------------------------------------------------
+
+
+def test_the_schedules_list_warns_when_no_scheduler_passes(live_server, browser, django_user_model):
+    from selenium.webdriver.common.by import By
+
+    django_user_model.objects.create_superuser("boss", "boss@example.com", PASSWORD)
+    entries = {
+        "poll-feeds": parse_entry("poll-feeds", {"job": "tests.testapp.jobs.remember", "every": 300}),
+        "nightly-report": parse_entry(
+            "nightly-report", {"job": "tests.testapp.jobs.remember", "daily": "03:00", "timezone": "Europe/Paris"}
+        ),
+    }
+    # The last scheduler passed ten minutes ago, by its clock, and stopped.
+    ten_minutes_ago = timezone.now() - timedelta(minutes=10)
+    Scheduler(entries, clock=lambda: ten_minutes_ago).run_pass()
+
+    log_in(browser, live_server, "boss")
+    open_from_index(browser, live_server, "schedule")
+
+    warning = browser.find_element(By.ID, "no-scheduler")
+    assert warning.text.startswith("No scheduler has passed for over a minute (the last pass: ")
+    assert "enabled schedules are not dispatched" in warning.text
+
+    def next_runs() -> dict[str, str]:
+        return {row[1].split("\n")[0]: row[2] for row in table(browser, "#result_list tbody tr")}
+
+    shown = next_runs()
+    assert shown["poll-feeds"].endswith("overdue: no scheduler running")  # its next run is past
+    assert "overdue" not in shown["nightly-report"]  # tomorrow's, still to come
+    assert no_horizontal_scroll(browser)
+    for_docs(screenshot(browser, "schedules"), "admin-schedules")
+
+    # A scheduler passes again: no warning, and the next run is to come.
+    Scheduler(entries).run_pass()
+    browser.refresh()
+    assert absent(browser, "#no-scheduler")
+    assert "overdue" not in next_runs()["poll-feeds"]

@@ -83,6 +83,26 @@ def test_sync_writes_a_row_per_entry_and_disables_removed_ones_keeping_their_tic
 # -- which tick is due --------------------------------------------------------------------------
 
 
+def test_a_pass_records_itself_on_its_entries_rows_every_15_s_at_most():
+    """What the admin reads to warn that no scheduler runs: one write per 15 s, not per pass."""
+    paused = entry("paused", enabled=False)
+    made = scheduler(entry("a"), paused)
+    Schedule.objects.create(name="elsewhere")  # another scheduler's entry
+
+    def passed() -> dict[str, datetime | None]:
+        return dict(Schedule.objects.values_list("name", "last_pass_at"))
+
+    made.run_pass(T0 + timedelta(seconds=1))
+    first = T0 + timedelta(seconds=1)
+    assert passed() == {"a": first, "paused": first, "elsewhere": None}
+    made.run_pass(T0 + timedelta(seconds=15))
+    assert passed()["a"] == first  # not yet: 14 s later
+    made.run_pass(T0 + timedelta(seconds=16))
+    assert passed()["a"] == T0 + timedelta(seconds=16)
+    made.run_pass(T0)  # its clock went back: recorded at once, or it would look gone for a while
+    assert passed()["a"] == T0
+
+
 def test_a_due_tick_is_dispatched_once_and_a_second_scheduler_finds_nothing():
     one, two = scheduler(entry()), scheduler(entry())
     now = T0 + MINUTE + timedelta(seconds=0.4)

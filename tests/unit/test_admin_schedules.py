@@ -12,6 +12,7 @@ from django.contrib.admin.models import CHANGE, LogEntry
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
+from django.utils import timezone
 
 from django_jobs.models import Job, Schedule, ScheduleTick
 from django_jobs.scheduler import Scheduler
@@ -128,7 +129,8 @@ def test_the_list_shows_words_times_to_the_second_last_jobs_and_states(admin_cli
     # The words, and the zone unless the words hold it already.
     assert text(nightly["name_and_schedule"]) == "nightly-report daily at 03:00 (Europe/Paris)"
     assert text(cells["poll-feeds"]["name_and_schedule"]) == "poll-feeds every 5 minutes · UTC"
-    assert text(nightly["next"]) == "2026-01-06 12:00:07"  # in the admin's zone, to the second
+    # In the admin's zone, to the second; no scheduler passes over these rows.
+    assert text(nightly["next"]) == "2026-01-06 12:00:07 overdue: no scheduler running"
     assert text(nightly["last"]) == "2026-01-05 12:00:07"
     assert f'href="{reverse("admin:django_jobs_job_change", args=[rows.job_id])}"' in nightly["last_job"]
     assert text(nightly["dispatched"]) == "3"  # the tick not dispatched yet is not counted
@@ -170,6 +172,57 @@ def test_the_list_costs_the_same_queries_however_many_ticks(admin_client, rows):
         )
     assert queries() == before
     assert text(list_cells(admin_client.get(reverse(CHANGELIST)).content.decode())["poll-feeds"]["dispatched"]) == "39"
+
+
+# -- no scheduler running ----------------------------------------------------------------------------
+
+
+def warning(page: str) -> str:
+    found = re.search(r'<li class="warning" id="no-scheduler">(.*?)</li>', page, re.DOTALL)
+    return html.unescape(re.sub(r"<[^>]+>", "", found.group(1))) if found else ""
+
+
+def test_without_a_scheduler_for_a_minute_the_list_warns_and_says_a_past_next_run_is_overdue(admin_client, rows):
+    now = timezone.now()
+    Schedule.objects.filter(name="nightly-report").update(next_run=now - timedelta(minutes=3))
+    Schedule.objects.filter(name="poll-feeds").update(next_run=now + timedelta(minutes=3))
+    last = now - timedelta(seconds=61)
+    Schedule.objects.update(last_pass_at=last)
+
+    page = admin_client.get(reverse(CHANGELIST)).content.decode()
+
+    when = timezone.localtime(last).strftime("%Y-%m-%d %H:%M:%S")
+    assert warning(page) == (
+        f"No scheduler has passed for over a minute (the last pass: {when}): enabled schedules are not "
+        "dispatched. Run manage.py jobs_schedule, or jobs_work --with-scheduler."
+    )
+    cells = list_cells(page)
+    assert text(cells["nightly-report"]["next"]).endswith(" overdue: no scheduler running")
+    assert "overdue" not in cells["poll-feeds"]["next"]  # still to come
+    detail = schedule_page(admin_client, "nightly-report")
+    assert "overdue: no scheduler running" in detail and when in detail  # its page says so, and the last pass
+
+
+def test_no_pass_ever_recorded_is_warned_about_too(admin_client, rows):
+    assert warning(admin_client.get(reverse(CHANGELIST)).content.decode()).startswith(
+        "No scheduler has passed for over a minute (none recorded):"
+    )
+
+
+def test_a_scheduler_passing_within_the_minute_leaves_the_list_quiet(admin_client, rows):
+    now = timezone.now()
+    Schedule.objects.filter(name="poll-feeds").update(last_pass_at=now - timedelta(seconds=50))
+    Schedule.objects.filter(name="nightly-report").update(next_run=now + timedelta(minutes=3))
+
+    page = admin_client.get(reverse(CHANGELIST)).content.decode()
+
+    assert warning(page) == ""
+    assert not [cells["next"] for cells in list_cells(page).values() if "overdue" in cells["next"]]
+
+
+def test_without_an_enabled_schedule_there_is_nothing_to_warn_about(admin_client, rows):
+    Schedule.objects.update(enabled=False)
+    assert warning(admin_client.get(reverse(CHANGELIST)).content.decode()) == ""
 
 
 # -- read-only ---------------------------------------------------------------------------------------
