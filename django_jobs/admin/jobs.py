@@ -121,7 +121,7 @@ def job_duration(job: Job) -> tuple[str, str]:
     return "", ""
 
 
-def status_badge(job: Job) -> SafeString:
+def badge(job: Job) -> SafeString:
     """``job``'s status, as a coloured badge (status_badges.css)."""
     return format_html('<span class="job-status status-{}">{}</span>', job.status, job.get_status_display())
 
@@ -229,8 +229,8 @@ class JobAdmin(admin.ModelAdmin):
         """The status; for a running job asked to abort, who asked and when, below it."""
         asked = abort_asked(obj)
         if asked is None:
-            return status_badge(obj)
-        return format_html('{}<div class="job-meta">{}</div>', status_badge(obj), abort_note(asked))
+            return badge(obj)
+        return format_html('{}<div class="job-meta">{}</div>', badge(obj), abort_note(asked))
 
     @admin.display(description="status · runs", ordering="status")
     def status_and_runs(self, obj: Job) -> SafeString:
@@ -246,9 +246,9 @@ class JobAdmin(admin.ModelAdmin):
         )
         asked = abort_asked(obj)
         if asked is None:
-            return format_html("{} {}", status_badge(obj), runs)
+            return format_html("{} {}", badge(obj), runs)
         return format_html(
-            '{} {} <span class="job-meta" title="{}">aborting</span>', status_badge(obj), runs, abort_note(asked)
+            '{} {} <span class="job-meta" title="{}">aborting</span>', badge(obj), runs, abort_note(asked)
         )
 
     @admin.display(description="created", ordering="created_at")
