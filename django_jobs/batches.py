@@ -6,8 +6,9 @@ successes together with its next claim. How many it claims follows the jobs: abo
 ``BATCH_SECONDS`` of work by the recent jobs' durations, at most ``PREFETCH``, so short jobs are
 claimed many at a time and long ones one at a time (the next ones stay free for other workers).
 
-The heartbeat thread watches each batch: every ``BATCH_SECONDS`` it writes the waiting acks and
-the start of the job now running (so that from then on a loss of its lease counts as a run), and
+The heartbeat thread watches each batch: every ``BATCH_SECONDS`` it writes the waiting acks, and
+the start of a job claimed ahead within half of that after its handler is called (so that from
+then on a loss of its lease counts as a run), and
 once a batch has run ``HAND_BACK_AFTER`` seconds (a long job in it) it hands the jobs still
 waiting in it back, uncounted, so that other workers run them.
 """
@@ -75,7 +76,8 @@ class Batches:
         self._ahead: deque[Lease] = deque()
         self._acks: list[Lease] = []
         self._begun: list[Lease] = []  # started, claimed ahead, their starts not written yet
-        self._watching = False  # a ``_watch`` is scheduled on the heartbeat thread
+        self._watching = False  # a ``_watch`` is scheduled on the heartbeat thread ...
+        self._watch_due = 0.0  # ... at this time.monotonic()
         self._lock = threading.Lock()
         self._claimed_at = 0.0
         self._job_seconds = BATCH_SECONDS / 10  # so the first batch holds 10 jobs
@@ -126,12 +128,12 @@ class Batches:
 
     def started(self, lease: Lease) -> None:
         """The pipeline calls the handler of ``lease`` now: if it was claimed ahead, its start
-        is written with the next acks, within ``BATCH_SECONDS``."""
+        is written with the next acks, sent at most ``BATCH_SECONDS / 2`` from now (so that it
+        is written within ``BATCH_SECONDS`` of the start)."""
         if lease.ahead and not lease.must_begin:  # must_begin: begun before the start already
             with self._lock:
                 self._begun.append(lease)
-                if not self._watching:
-                    self._watch_later()
+                self._watch_later(BATCH_SECONDS / 2)
 
     def ended(self, lease: Lease) -> None:
         """The delivery of ``lease`` is over: its settle (or ack, waiting here) ends the claim."""
@@ -232,10 +234,13 @@ class Batches:
             if self._ahead or self._acks or self._begun:
                 self._watch_later()
 
-    def _watch_later(self) -> None:
-        """Under the lock: ``_watch`` in ``BATCH_SECONDS``."""
-        self._watching = True
-        self.heartbeat.after(time.monotonic() + BATCH_SECONDS, self._watch)
+    def _watch_later(self, delay: float = BATCH_SECONDS) -> None:
+        """Under the lock: ``_watch`` in ``delay`` seconds, unless one is due sooner."""
+        due = time.monotonic() + delay
+        if self._watching and self._watch_due <= due:
+            return
+        self._watching, self._watch_due = True, due
+        self.heartbeat.after(due, self._watch)
 
     # -- helpers --
 
