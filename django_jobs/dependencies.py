@@ -62,14 +62,14 @@ class Resolution:
 
 
 def enqueue(backend: DatabaseBackend, envelopes: list[Envelope]) -> None:
-    """Insert ``envelopes`` (some with ``options["parents"]``) in one transaction: lock the
-    parents outside the batch, attach the edges, and insert each child ``waiting``, or
-    ``pending`` / ``failed`` / ``cancelled`` at once when its parents already decide it.
+    """Insert ``envelopes`` (some with parents) in one transaction: lock the parents outside the
+    batch, attach the edges, and insert each child ``waiting``, or ``pending`` / ``failed`` /
+    ``cancelled`` at once when its parents already decide it.
 
     Raises ``UnknownJob`` (and inserts nothing) when a parent is no job of this backend."""
     alias, now = backend.alias, timezone.now()
     batch = {envelope.id for envelope in envelopes}
-    parents_of = {envelope.id: list(envelope.options.get("parents") or ()) for envelope in envelopes}
+    parents_of = {envelope.id: envelope.parents for envelope in envelopes}
     with_children = {parent for parents in parents_of.values() for parent in parents}
     resolution = Resolution()
     with transaction.atomic(using=alias):
@@ -118,7 +118,7 @@ def _lock_parents(backend: DatabaseBackend, ids: list[str], envelopes: list[Enve
             Job.objects.using(backend.alias).filter(pk__in=unfinished, has_dependents=False).update(has_dependents=True)
     missing = [job_id for job_id in ids if job_id not in statuses]
     if missing:
-        child = next(e.id for e in envelopes if missing[0] in (e.options.get("parents") or ()))
+        child = next(e.id for e in envelopes if missing[0] in e.parents)
         raise UnknownJob(
             f"job {child} depends on {missing[0]!r}, which is not a job of backend {backend.name!r} "
             "(a parent must be dispatched to the child's backend first)"

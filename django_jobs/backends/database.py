@@ -280,7 +280,7 @@ class DatabaseBackend(LimitedBackend):
     # -- protocol --
 
     def enqueue(self, envelope: Envelope) -> str:
-        if "parents" in envelope.options:
+        if envelope.parents:
             dependencies.enqueue(self, [envelope])
             return envelope.id
         rows.insert(self._conn, Job, self.new_row(envelope, timezone.now()))  # durable: never async
@@ -289,7 +289,7 @@ class DatabaseBackend(LimitedBackend):
     def enqueue_many(self, envelopes: list[Envelope]) -> list[str]:
         if len(envelopes) == 1:
             return [self.enqueue(envelopes[0])]
-        if any("parents" in envelope.options for envelope in envelopes):  # a chain or group: one transaction
+        if any(envelope.parents for envelope in envelopes):  # a chain or group: one transaction
             dependencies.enqueue(self, envelopes)
             return [e.id for e in envelopes]
         now = timezone.now()

@@ -788,8 +788,7 @@ def _text(value: Any) -> str:
 
 def _parents(envelope: Envelope) -> list[str]:
     """The ids of the jobs ``envelope`` waits for (none repeated)."""
-    parents = envelope.options.get("parents")
-    return list(dict.fromkeys(parents)) if parents else []
+    return list(dict.fromkeys(envelope.parents))
 
 
 def _reason(parent: str, outcome: str) -> str:
