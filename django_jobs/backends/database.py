@@ -293,10 +293,10 @@ class DatabaseBackend(LimitedBackend):
             dependencies.enqueue(self, envelopes)
             return [e.id for e in envelopes]
         now = timezone.now()
-        # One microsecond apart, so a batch keeps its order (FIFO) within a priority. (The ORM
-        # inserts many rows well: with UNNEST on PostgreSQL.)
-        rows = [Job(**self.new_row(e, now + timedelta(microseconds=i))) for i, e in enumerate(envelopes)]
-        Job.objects.using(self.alias).bulk_create(rows, batch_size=1000)
+        # One microsecond apart, so a batch keeps its order (FIFO) within a priority.
+        new = [self.new_row(e, now + timedelta(microseconds=i)) for i, e in enumerate(envelopes)]
+        with transaction.atomic(using=self.alias, savepoint=False):  # all or none; 1,000 rows a statement
+            rows.insert_many(self._conn, Job, new)
         return [e.id for e in envelopes]
 
     def fetch(self, queue: str) -> Lease | None:
