@@ -149,16 +149,20 @@ def resolve(alias: str, parent: str, outcome: str, into: Resolution | None = Non
 
 
 def _resolve(alias: str, todo: list[tuple[str, str]], resolution: Resolution) -> None:
-    """Resolve the edges of finished parents, (id, outcome): completed ones a chunk at a time
-    (they only release children), a failed or cancelled one on its own (the children it
-    settles that have children of their own are resolved next)."""
+    """Resolve the edges of finished parents, (id, outcome): the completed ones together, in
+    one statement per :func:`rows.matching` (they only release children), a failed or
+    cancelled one on its own (the children it settles that have children of their own are
+    resolved next)."""
+    connection = connections[alias]
     while todo:
-        for chunk in rows.chunked([parent for parent, outcome in todo if outcome == "completed"]):
-            _release_free(alias, _lock_children(alias, chunk, "completed"), resolution)
+        completed = [parent for parent, outcome in todo if outcome == "completed"]
+        for chosen in rows.matching(connection, "parent", completed):
+            _release_free(alias, _lock_children(alias, chosen, "completed"), resolution)
         cascade: list[tuple[str, str]] = []
         for parent, outcome in todo:
             if outcome != "completed":
-                cascade += _decide(alias, _lock_children(alias, [parent], outcome), resolution, (parent, outcome))
+                [chosen] = rows.matching(connection, "parent", [parent])
+                cascade += _decide(alias, _lock_children(alias, chosen, outcome), resolution, (parent, outcome))
         todo = cascade
 
 
@@ -178,22 +182,24 @@ def _in(values: Sequence[str]) -> str:
     return ", ".join(["%s"] * len(values))
 
 
-def _lock_children(alias: str, parents: Sequence[str], outcome: str) -> list[dict[str, Any]]:
-    """Lock the waiting children of ``parents`` whose edge is open, then give those edges the
+def _lock_children(alias: str, parents: tuple[str, list[Any]], outcome: str) -> list[dict[str, Any]]:
+    """Lock the waiting children whose edge to one of ``parents`` (a condition on ``parent``
+    and its parameters, from :func:`rows.matching`) is open, then give those edges the
     parents' ``outcome``; the children locked. Every path locks a child's row before it
     changes or (MySQL) locks its edges. PostgreSQL does both in one statement: no other
     transaction writes or locks these parents' edges, whatever order it takes them in."""
-    open_edges = f"parent IN ({_in(parents)}) AND outcome IS NULL"
+    chosen, params = parents
+    open_edges = f"{chosen} AND outcome IS NULL"
     if connections[alias].vendor == "postgresql":
         _, found = _sql(
             alias,
             f"WITH edges AS (UPDATE {EDGES} SET outcome = %s WHERE {open_edges} RETURNING child) "
             f"SELECT {_LOCKED_COLUMNS} FROM {JOBS} WHERE id IN (SELECT child FROM edges) ORDER BY id FOR UPDATE",
-            [outcome, *parents],
+            [outcome, *params],
         )
         return _waiting(found)
-    locked = _lock_waiting(alias, f"SELECT child FROM {EDGES} WHERE {open_edges}", parents)
-    _sql(alias, f"UPDATE {EDGES} SET outcome = %s WHERE {open_edges}", [outcome, *parents])
+    locked = _lock_waiting(alias, f"id IN (SELECT child FROM {EDGES} WHERE {open_edges})", params)
+    _sql(alias, f"UPDATE {EDGES} SET outcome = %s WHERE {open_edges}", [outcome, *params])
     return locked
 
 
@@ -208,31 +214,29 @@ def _waiting(found: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
     return [dict(zip(_LOCKED, row[:-1], strict=True)) for row in found if row[-1] == JobStatus.WAITING]
 
 
-def _lock_waiting(alias: str, chosen: str, params: Sequence[str]) -> list[dict[str, Any]]:
-    """Lock the rows whose ids ``chosen`` lists (SQL) in id order; what a settle records of
-    those still waiting."""
+def _lock_waiting(alias: str, chosen: str, params: Sequence[Any]) -> list[dict[str, Any]]:
+    """Lock the rows that ``chosen`` (a condition on ``id``) picks, in id order; what a settle
+    records of those still waiting."""
     lock = "" if connections[alias].vendor == "sqlite" else " FOR UPDATE"
-    _, found = _sql(alias, f"SELECT {_LOCKED_COLUMNS} FROM {JOBS} WHERE id IN ({chosen}) ORDER BY id{lock}", params)
+    _, found = _sql(alias, f"SELECT {_LOCKED_COLUMNS} FROM {JOBS} WHERE {chosen} ORDER BY id{lock}", params)
     return _waiting(found)
 
 
 def _lock_jobs(alias: str, ids: list[str]) -> list[dict[str, Any]]:
-    """:func:`_lock_waiting` of the rows ``ids``, in id order a chunk at a time."""
-    return [row for chunk in rows.chunked(sorted(ids)) for row in _lock_waiting(alias, _in(chunk), chunk)]
+    """:func:`_lock_waiting` of the rows ``ids``, in id order (a chunk at a time but on PostgreSQL)."""
+    return [
+        row
+        for chosen, params in rows.matching(connections[alias], "id", sorted(ids))
+        for row in _lock_waiting(alias, chosen, params)
+    ]
 
 
 def _release_free(alias: str, children: list[dict[str, Any]], resolution: Resolution) -> None:
     """A parent of these locked waiting children completed: release those no open edge holds
-    back any more."""
-    if not children:
-        return
-    ids, now = [child["id"] for child in children], timezone.now()
-    if connections[alias].vendor != "mysql":
-        resolution.released += _release(alias, ids, now, unless_open=True)  # one statement a chunk
-        return
-    held = _open_edges(alias, ids)
-    free = [job_id for job_id in ids if job_id not in held]
-    resolution.released += _release(alias, free, now)
+    back any more. The statement that releases them looks for one open edge of each, whatever
+    how many it has (a group's callback waits for every member)."""
+    if children:
+        resolution.released += _release(alias, [child["id"] for child in children], timezone.now(), unless_open=True)
 
 
 def _decide(
@@ -279,13 +283,13 @@ def _decide(
 
 
 def _edges_sql(alias: str, columns: str, ids: list[str], where: str = "", tail: str = "") -> list[tuple[Any, ...]]:
-    """Edges of the children ``ids`` (a chunk of children at a time), read after their rows
-    were locked. MySQL/MariaDB (REPEATABLE READ) reads them with a locking read, which alone
-    sees the latest commits."""
+    """Edges of the children ``ids`` (a chunk of children at a time but on PostgreSQL), read
+    after their rows were locked. MySQL/MariaDB (REPEATABLE READ) reads them with a locking
+    read, which alone sees the latest commits."""
     lock = " FOR UPDATE" if connections[alias].vendor == "mysql" else ""
     found: list[tuple[Any, ...]] = []
-    for chunk in rows.chunked(ids):
-        found += _sql(alias, f"SELECT {columns} FROM {EDGES} WHERE child IN ({_in(chunk)}){where}{tail}{lock}", chunk)[1]
+    for chosen, params in rows.matching(connections[alias], "child", ids):
+        found += _sql(alias, f"SELECT {columns} FROM {EDGES} WHERE {chosen}{where}{tail}{lock}", params)[1]
     return found
 
 
@@ -309,30 +313,40 @@ def _open_edges(alias: str, ids: list[str]) -> dict[str, list[tuple[str, str | N
 
 def _release(alias: str, ids: list[str], now: datetime, *, unless_open: bool = False) -> list[str]:
     """Waiting -> pending, due at its own time or now (so it queues behind the jobs already
-    ready), a chunk at a time; ``unless_open``: only those without an open edge (read by this
-    statement, after their rows were locked). Idle PostgreSQL workers are woken when the
-    transaction commits. Returns the ids released (all of ``ids`` unless ``unless_open``)."""
+    ready), in one statement per :func:`rows.matching`; ``unless_open``: only those without an
+    open edge (read by this statement, after their rows were locked). Idle PostgreSQL workers
+    are woken when the transaction commits. Returns the ids released (all of ``ids`` unless
+    ``unless_open``)."""
     connection = connections[alias]
     moment = connection.ops.adapt_datetimefield_value(now)
     free = f" AND NOT EXISTS (SELECT 1 FROM {EDGES} WHERE child = {JOBS}.id AND outcome IS NULL)" if unless_open else ""
     released: list[str] = []
-    for chunk in rows.chunked(ids):
+    for chosen, chosen_params in rows.matching(connection, "id", ids):
         sql = (
             f"UPDATE {JOBS} SET status = 'pending', updated_at = %s, "
             f"available_at = CASE WHEN available_at < %s THEN %s ELSE available_at END "
-            f"WHERE id IN ({_in(chunk)}){free}"  # locked, and waiting
+            f"WHERE {chosen}{free}"  # locked, and waiting
         )
-        params = [moment, moment, moment, *chunk]
-        if connection.vendor == "postgresql":
+        params = [moment, moment, moment, *chosen_params]
+        if connection.vendor == "postgresql":  # notifications of one transaction are merged
             _, freed = _sql(
                 alias, f"WITH freed AS ({sql} RETURNING id) SELECT id, pg_notify('django_jobs', '') FROM freed", params
             )
             released += [row[0] for row in freed]
-        elif unless_open:  # SQLite (MySQL/MariaDB, which has no UPDATE ... RETURNING, never asks)
+        elif unless_open and connection.vendor == "sqlite":
             released += [row[0] for row in _sql(alias, f"{sql} RETURNING id", params)[1]]
+        elif unless_open:
+            # MySQL/MariaDB has no UPDATE ... RETURNING: the rows are locked, so those pending
+            # now are those it released. (InnoDB reads a subquery of an UPDATE with locks, so
+            # it sees the edges other transactions resolved and committed.)
+            _sql(alias, sql, params)
+            released += [
+                row[0]
+                for row in _sql(alias, f"SELECT id FROM {JOBS} WHERE {chosen} AND status = 'pending'", chosen_params)[1]
+            ]
         else:
             _sql(alias, sql, params)
-            released += chunk
+            released += chosen_params
     return released
 
 

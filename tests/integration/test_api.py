@@ -222,6 +222,15 @@ def test_bulk_inserts_many_rows_with_one_insert(backend, count, request):
     assert {rows[i].priority for i in ids[:-1]} == {0, 1, 2}
 
 
+def test_bulk_inserts_a_column_of_ints_and_floats(backend):
+    """A float column whose values the caller gave as int and float (a PostgreSQL array holds
+    one type: each is stored as the field makes it)."""
+    builders = [scripted.using(timeout=30).builder("ok"), scripted.using(timeout=1.5).builder("ok")]
+    ids = Jobs.bulk(builders, backend=backend)
+    timeouts = dict(Job.objects.using(alias(backend)).filter(pk__in=ids).values_list("pk", "timeout"))
+    assert [timeouts[i] for i in ids] == [30.0, 1.5]
+
+
 def test_bulk_of_nothing_inserts_nothing():
     with CaptureQueriesContext(connections["default"]) as queries:
         assert Jobs.bulk([]) == []
