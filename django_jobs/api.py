@@ -20,7 +20,16 @@ from django.utils import timezone
 from . import conf, coroutines, limits, registry, signing
 from .backends import get_backend
 from .backends.base import QueueBackend
-from .envelope import Envelope, PayloadProblem, a_type, check_keys, dumps_payload, new_id, payload_problem
+from .envelope import (
+    MESSAGE_PARENTS,
+    Envelope,
+    PayloadProblem,
+    a_type,
+    check_keys,
+    dumps_payload,
+    new_id,
+    payload_problem,
+)
 from .exceptions import (
     AbortNotSupported,
     DispatchCancelled,
@@ -195,12 +204,11 @@ class JobBuilder:
         """Wait until every job of ``job_ids`` finished (added to those already given). The job is
         not counted as a run while it waits; a parent that fails or is cancelled settles it the
         same way, unless :meth:`run_if_parent_fails`. Parents must be on the same backend."""
-        parents = list(self._opts.get("depends_on", ()))
+        parents = dict.fromkeys(self._opts.get("depends_on", ()))
         for job_id in job_ids:
             _check_job_id(job_id)
-            if job_id not in parents:
-                parents.append(job_id)
-        return self._set(depends_on=parents)
+            parents.setdefault(job_id)
+        return self._set(depends_on=list(parents))
 
     def run_if_parent_fails(self, enabled: bool = True) -> JobBuilder:
         """Run once every parent finished, even when one failed or was cancelled."""
@@ -270,8 +278,10 @@ class JobBuilder:
                 raise DispatchCancelled(request.reason, self._handler)
             priority, timeout, available_at = request._resolved(now, available_at)
         options = {k: opts[k] for k in ("backoff", "retry_on", "single_instance", "keep_result") if opts.get(k)}
-        if opts.get("depends_on"):
-            options["parents"] = list(opts["depends_on"])
+        parents: list[str] = list(opts.get("depends_on") or ())
+        if parents:
+            if len(parents) <= MESSAGE_PARENTS:
+                options["parents"] = parents
             for key in ("run_if_parent_fails", "result_of"):
                 if opts.get(key):
                     options[key] = opts[key]
@@ -287,6 +297,7 @@ class JobBuilder:
             timeout=timeout,
             available_at=available_at,
             options=options,
+            unlisted_parents=[] if "parents" in options else parents,
         )
         env.signature = signing.sign(env)
         # The cap a worker applies to the whole encoded message: refuse here what it would reject.

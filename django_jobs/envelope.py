@@ -131,6 +131,12 @@ def a_type(value: Any) -> str:
     return f"{'an' if name[:1].lower() in 'aeio' else 'a'} {name}"
 
 
+# The most parents a message lists (``options["parents"]``, about 35 bytes each). A job with
+# more waits all the same: its parents go from ``build()`` to the backend beside the message
+# (``Envelope.unlisted_parents``), and the backend alone keeps its edges.
+MESSAGE_PARENTS = 1000
+
+
 @dataclass(slots=True)
 class Envelope:
     """One job message. ``attempts`` is 0-based: runs completed before this delivery."""
@@ -148,6 +154,16 @@ class Envelope:
     available_at: datetime | None = None
     options: dict[str, Any] = field(default_factory=dict)
     signature: str = ""
+    # The parents of a job that has more than MESSAGE_PARENTS, in this process only: never
+    # signed, sent or stored (see ``parents``).
+    unlisted_parents: list[str] = field(default_factory=list, repr=False, compare=False, metadata={"wire": False})
+
+    @property
+    def parents(self) -> list[str]:
+        """The ids of the jobs this one waits for, as it was dispatched (none: ``[]``): those
+        its message lists, else those built beside it. Read by a backend when it stores the job."""
+        listed = self.options.get("parents")
+        return list(listed) if isinstance(listed, list) else self.unlisted_parents
 
     def signed_fields(self) -> dict[str, Any]:
         """The values the signature covers, by name (:data:`~django_jobs.signing.SIGNED_FIELDS`)."""
@@ -205,7 +221,7 @@ class Envelope:
         return env
 
 
-_WIRE_FIELDS = tuple(f.name for f in fields(Envelope))
+_WIRE_FIELDS = tuple(f.name for f in fields(Envelope) if f.metadata.get("wire", True))
 _WIRE = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 
 _TYPES: dict[str, tuple[type, ...]] = {

@@ -15,7 +15,7 @@ from django.db import router, transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from . import conf, dependencies, history, signing
+from . import conf, dependencies, history, rows, signing
 from .backends import get_backend
 from .backends.base import AbortAsked
 from .backends.database import DatabaseBackend
@@ -114,28 +114,35 @@ RETRYABLE: tuple[str, ...] = (str(JobStatus.FAILED), str(JobStatus.CANCELLED))
 
 def retry_by_id(ids: list[str] | None, queue: str | None = None) -> RetryOutcome:
     """``jobs_retry``: the failed or cancelled jobs with these ids (every failed job when
-    ``None``), in every database."""
+    ``None``), in every database; the ids are looked up a chunk at a time."""
     outcome = RetryOutcome()
+    wanted = list(dict.fromkeys(ids)) if ids is not None else None
     for alias in job_aliases():
         jobs = Job.objects.using(alias).all()
-        if ids is not None:
-            jobs = jobs.filter(pk__in=ids)
         if queue:
             jobs = jobs.filter(queue=queue)
-        more = retry_jobs(jobs if ids is not None else jobs.filter(status=JobStatus.FAILED))
-        outcome.retried += more.retried
-        outcome.jobs += more.jobs
-        outcome.errors += more.errors
-        outcome.notes += [note for note in more.notes if note not in outcome.notes]
-    if ids is not None:
+        chosen = [jobs.filter(status=JobStatus.FAILED)] if wanted is None else _by_ids(jobs, wanted)
+        for some in chosen:
+            more = retry_jobs(some)
+            outcome.retried += more.retried
+            outcome.jobs += more.jobs
+            outcome.errors += more.errors
+            outcome.notes += [note for note in more.notes if note not in outcome.notes]
+    if wanted is not None:
         retried = {job.pk for job in outcome.jobs}
         found: dict[str, str] = {}
         for alias in job_aliases():
-            rows = Job.objects.using(alias).filter(pk__in=ids).exclude(pk__in=retried)
-            found.update((str(pk), str(status)) for pk, status in rows.values_list("pk", "status"))
-        outcome.unknown = [i for i in dict.fromkeys(ids) if i not in found and i not in retried]
+            for some in _by_ids(Job.objects.using(alias).all(), wanted):
+                found.update((str(pk), str(status)) for pk, status in some.values_list("pk", "status"))
+        found = {pk: status for pk, status in found.items() if pk not in retried}
+        outcome.unknown = [i for i in wanted if i not in found and i not in retried]
         outcome.not_retryable = {i: status for i, status in found.items() if status not in RETRYABLE}
     return outcome
+
+
+def _by_ids(jobs: QuerySet[Job], ids: list[str]) -> list[QuerySet[Job]]:
+    """``jobs`` with these ids, one query set per chunk of them (no statement lists them all)."""
+    return [jobs.filter(pk__in=chunk) for chunk in rows.chunked(ids)]
 
 
 def retry_jobs(jobs: QuerySet[Job]) -> RetryOutcome:
@@ -294,11 +301,12 @@ def abort_jobs(ids: list[str], requested_by: str) -> AbortOutcome:
     on a broker) is looked up in each broker backend (``request_abort``)."""
     check_requested_by(requested_by)
     outcome = AbortOutcome()
-    left = list(dict.fromkeys(ids))
+    left = dict.fromkeys(ids)
     for alias in job_aliases():
-        for pk in Job.objects.using(alias).filter(pk__in=left).values_list("pk", flat=True):
-            _abort_row(alias, str(pk), requested_by, outcome)
-            left.remove(str(pk))
+        for some in _by_ids(Job.objects.using(alias).all(), list(left)):
+            for pk in some.values_list("pk", flat=True):
+                _abort_row(alias, str(pk), requested_by, outcome)
+                del left[str(pk)]
     for job_id in left:
         if _abort_queued(job_id, requested_by, outcome) == "unknown":
             outcome.unknown.append(job_id)

@@ -1,11 +1,22 @@
 """Raw SQL helpers for the hot writes (a dispatch, an attempt-history row), through Django's
-connection: the ORM's compiler costs more than these statements themselves."""
+connection: the ORM's compiler costs more than these statements themselves. And the ids a
+statement lists, bounded however many there are (:func:`matching`, :func:`chunked`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
 
 from django.db import models
+
+T = TypeVar("T")
+
+# The most ids one statement lists (``id IN (...)``): a longer list is sent in chunks, so no
+# statement's parameters grow with a flow's size (SQLite may take as few as 999 of them, and
+# PostgreSQL's protocol, which server-side binding obeys, 65,535).
+IDS_PER_STATEMENT = 500
+# The most rows one INSERT of :func:`insert_many` writes on PostgreSQL.
+ROWS_PER_STATEMENT = 1000
 
 # Appended to a statement sent in autocommit on PostgreSQL (one simple-protocol query, so one
 # round trip): that statement's implicit transaction commits without waiting for the WAL flush.
@@ -41,7 +52,97 @@ def insert(connection: Any, model: type[models.Model], values: dict[str, Any], *
     if async_commit and commits_async(connection):
         sql += ASYNC_COMMIT
     with connection.cursor() as cursor:
-        cursor.execute(sql, [f.get_db_prep_save(values[f.attname], connection) for f in fields])
+        cursor.execute(sql, [_prepare(f, values[f.attname], connection) for f in fields])
+
+
+def insert_many(connection: Any, model: type[models.Model], values: Sequence[dict[str, Any]]) -> None:
+    """INSERT rows of ``model``, each from a dict as :func:`insert` takes it (all with the same
+    attribute names), with a bounded number of parameters per statement whatever their number:
+    on PostgreSQL :data:`ROWS_PER_STATEMENT` rows at a time, each column one array (``UNNEST``)
+    or, when every row has the same value, that value once; elsewhere the one-row INSERT run
+    for each (the driver batches it: MySQL's into multi-row INSERTs, SQLite's in one call)."""
+    if not values:
+        return
+    fields = [f for f in model._meta.concrete_fields if f.attname in values[0]]
+    quote = connection.ops.quote_name
+    head = f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(quote(f.column) for f in fields)})"
+    with connection.cursor() as cursor:
+        if connection.vendor != "postgresql":
+            row = f"({', '.join(['%s'] * len(fields))})"
+            rows = [[_prepare(f, one[f.attname], connection) for f in fields] for one in values]
+            cursor.executemany(f"{head} VALUES {row}", rows)
+            return
+        for batch in chunked(values, ROWS_PER_STATEMENT):
+            cursor.execute(*_unnest(head, fields, batch, connection))
+
+
+def _unnest(head: str, fields: list[Any], batch: Sequence[dict[str, Any]], connection: Any) -> tuple[str, list[Any]]:
+    """PostgreSQL's INSERT of ``batch`` and its parameters: the same value in every row once,
+    the others one array per column, read back by ``UNNEST``."""
+    selected: list[str] = []
+    unnested: list[str] = []
+    constants: list[Any] = []
+    arrays: list[list[Any]] = []
+    for f in fields:
+        # The type without its length (varchar, not varchar(64)), as Django's bulk_create.
+        kind = f.db_type(connection).split("(")[0]
+        column = [one[f.attname] for one in batch]
+        if column.count(column[0]) == len(column):
+            selected.append(f"%s::{kind}")
+            constants.append(_prepare(f, column[0], connection))
+        else:
+            selected.append(f"batch.c{len(arrays)}")
+            unnested.append(f"%s::{kind}[]")
+            arrays.append([_prepare(f, value, connection) for value in column])
+    source = f" FROM UNNEST({', '.join(unnested)}) AS batch({', '.join(f'c{i}' for i in range(len(arrays)))})"
+    return f"{head} SELECT {', '.join(selected)}{source if arrays else ''}", [*constants, *arrays]
+
+
+def _prepare(field: Any, value: Any, connection: Any) -> Any:
+    """``value`` as ``field`` prepares it for ``connection``: ``None``, or a value of the very
+    type the field stores as it is (a str of a text field, an int of an integer field, ...),
+    needs no field to tell so."""
+    if value is None or type(value) is _plain_type(field):
+        return value
+    return field.get_db_prep_save(value, connection)
+
+
+def _plain_type(field: Any) -> type | None:
+    """The Python type whose values ``field`` stores unchanged (``None``: prepare every value: a
+    JSON field encodes even a str, a datetime field makes a naive value aware)."""
+    if field not in _PLAIN_TYPES:
+        _PLAIN_TYPES[field] = next((kind for fields, kind in _STORED_AS_IS if isinstance(field, fields)), None)
+    return _PLAIN_TYPES[field]
+
+
+_STORED_AS_IS: tuple[tuple[tuple[type, ...], type], ...] = (
+    ((models.CharField, models.TextField), str),
+    ((models.IntegerField,), int),
+    ((models.BooleanField,), bool),
+    ((models.FloatField,), float),
+)
+# Each field's plain type, worked out once (every row asks for every field).
+_PLAIN_TYPES: dict[Any, type | None] = {}
+
+
+def matching(connection: Any, column: str, values: Sequence[str]) -> Iterator[tuple[str, list[Any]]]:
+    """``column`` among ``values``, as SQL conditions and their parameters, one per statement to
+    send: on PostgreSQL one array parameter (``= ANY``) whatever their number, so one statement
+    (the planner looks the rows up once even when the table's statistics are stale); elsewhere
+    an ``IN`` list of at most :data:`IDS_PER_STATEMENT`. Nothing for no values."""
+    if not values:
+        return
+    if connection.vendor == "postgresql":
+        yield f"{column} = ANY(%s)", [list(values)]
+        return
+    for chunk in chunked(values):
+        yield f"{column} IN ({', '.join(['%s'] * len(chunk))})", list(chunk)
+
+
+def chunked(values: Sequence[T], size: int = IDS_PER_STATEMENT) -> Iterator[Sequence[T]]:
+    """``values`` in consecutive slices of at most ``size``, in order."""
+    for start in range(0, len(values), size):
+        yield values[start : start + size]
 
 
 # (database alias, model, attribute names) -> the INSERT statement and its fields, in order.

@@ -117,6 +117,23 @@ BACKEND_PARAMS = [
 ]
 
 
+# The database backend on PostgreSQL with server-side binding (``postgres_ssb``, the
+# ``postgres`` test database): a statement takes at most 65,535 parameters. Its own alias is
+# not wrapped in the test's transaction, so its tests run with ``transaction=True``.
+PG_SERVER_SIDE_BINDING = pytest.param(
+    BackendCase(
+        "pg_ssb",
+        fixtures=("postgres_up",),
+        expire=_db_expire,
+        record=_db_record,
+        side_effect_db="postgres",
+        config={"ENGINE": "database", "OPTIONS": {"DATABASE": "postgres_ssb"}},
+    ),
+    id="database-postgres-server-side-binding",
+    marks=[pytest.mark.postgres, pytest.mark.django_db(databases=[*ALL_DATABASES, "postgres_ssb"], transaction=True)],
+)
+
+
 def ready_case(request: pytest.FixtureRequest) -> BackendCase:
     """The ``BackendCase`` a parametrized fixture was given, its services' fixtures requested."""
     found: BackendCase = request.param

@@ -87,6 +87,14 @@ DATABASES = {
     },
 }
 
+# The same PostgreSQL database through psycopg's server-side binding: a statement's parameters
+# travel apart from its text, at most 65,535 of them (the large fan-out tests).
+DATABASES["postgres_ssb"] = {
+    **DATABASES["postgres"],
+    "OPTIONS": {"server_side_binding": True},
+    "TEST": {"MIRROR": "postgres"},
+}
+
 if SUBPROCESS:
     # Worker subprocesses never use MariaDB (only the in-process conformance param does), and
     # their start-up system checks would otherwise connect to its test database.

@@ -31,8 +31,8 @@ SUMMARY_CHARS = 200
 LIST_ERROR_CHARS = 60
 # Every time the admin shows, to the second.
 SECONDS_FORMAT = "Y-m-d H:i:s"
-# How many of a job's children its page lists (a group's callback has one parent per member,
-# and a job may have many children).
+# How many of a job's parents, and of its children, its page lists (a group's callback has one
+# parent per member, and a job may have many children): then how many more there are.
 RELATED_SHOWN = 100
 
 
@@ -163,9 +163,10 @@ class RelatedJob:
 
 @dataclass(frozen=True)
 class Dependencies:
-    """A job's parents (in the order it named them) and its children (the first ``RELATED_SHOWN``)."""
+    """A job's parents (in the order it named them) and its children: the first ``RELATED_SHOWN`` of each."""
 
     parents: list[RelatedJob]
+    more_parents: int  # parents not listed
     children: list[RelatedJob]
     more_children: int  # children not listed
     run_if_parent_fails: bool
@@ -341,25 +342,33 @@ class JobAdmin(admin.ModelAdmin):
 
     def dependencies(self, obj: Job) -> Dependencies:
         """The jobs ``obj`` waits for and the jobs waiting for it, from the edges of its database
-        (a broker's job, whose row is a record, shows the parents its message named)."""
+        (a broker's job, whose row is a record, shows the parents its message named): the first
+        ``RELATED_SHOWN`` of each, whatever their number."""
         edges = Dependency.objects.using(obj._state.db)
-        outcomes = dict(edges.filter(child=obj.pk).values_list("parent", "outcome"))
+        # In the order the child named them: the order its edges were inserted.
+        mine = edges.filter(child=obj.pk).order_by("id").values_list("parent", "outcome")
+        parents: list[tuple[str, str | None]] = list(mine[:RELATED_SHOWN])
+        parent_count = mine.count() if len(parents) == RELATED_SHOWN else len(parents)
         named = obj.options.get("parents") if isinstance(obj.options, dict) else None
-        parents = [p for p in named if isinstance(p, str)] if isinstance(named, list) else []
-        parents += sorted(set(outcomes) - set(parents))
+        if not parents and isinstance(named, list):
+            parents = [(p, None) for p in named if isinstance(p, str)]
+            parent_count = len(parents)
+            parents = parents[:RELATED_SHOWN]
         children = edges.filter(parent=obj.pk).order_by("created_at", "child").values_list("child", flat=True)
         shown = list(children[:RELATED_SHOWN])
-        more = children.count() - len(shown) if len(shown) == RELATED_SHOWN else 0
-        rows = Job.objects.using(obj._state.db).only("id", "name", "handler", "status").in_bulk([*parents, *shown])
+        child_count = children.count() if len(shown) == RELATED_SHOWN else len(shown)
+        ids = [*(parent for parent, _ in parents), *shown]
+        rows = Job.objects.using(obj._state.db).only("id", "name", "handler", "status").in_bulk(ids)
 
-        def related(job_id: str, outcome: str = "") -> RelatedJob:
+        def related(job_id: str, outcome: str | None = None) -> RelatedJob:
             row = rows.get(job_id)
-            return RelatedJob(job_id, row, self._url("change", row) if row is not None else "", outcome)
+            return RelatedJob(job_id, row, self._url("change", row) if row is not None else "", outcome or "")
 
         return Dependencies(
-            [related(p, outcomes.get(p) or "") for p in parents],
+            [related(parent, outcome) for parent, outcome in parents],
+            parent_count - len(parents),
             [related(c) for c in shown],
-            more,
+            child_count - len(shown),
             bool(obj.options.get("run_if_parent_fails")) if isinstance(obj.options, dict) else False,
         )
 

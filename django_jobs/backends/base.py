@@ -123,7 +123,7 @@ class QueueBackend(ABC):
     transactional: bool = False
     # The database alias of this backend's attempt history (None: the router's choice).
     history_alias: str | None = None
-    # A job may wait for parent jobs (``options["parents"]``) before it becomes ready; the
+    # A job may wait for parent jobs (``Envelope.parents``) before it becomes ready; the
     # others refuse such a job at dispatch (``DependenciesNotSupported``).
     supports_dependencies: bool = False
     # acquire() enforces rate and concurrency limits across every worker; the others refuse a
@@ -411,7 +411,7 @@ class QueueBackend(ABC):
         A job with parents is refused at once (``DependenciesNotSupported``) by a backend that
         cannot hold it until they finish; a job under a limit (``LimitsNotSupported``) by one
         that cannot enforce limits."""
-        if not self.supports_dependencies and any("parents" in envelope.options for envelope in envelopes):
+        if not self.supports_dependencies and any(envelope.parents for envelope in envelopes):
             raise DependenciesNotSupported(
                 f"backend {self.name!r} ({type(self).__name__}) cannot hold a job until its parents finish; "
                 f"dependencies, chains and groups need a backend that can ({_dependency_backends()})"

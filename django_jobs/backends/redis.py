@@ -8,11 +8,14 @@ without counting a run until the worker ``begin``s it. An aborts hash flags runn
 abort; the heartbeat's extend reads it. Rate and concurrency limits have keys and scripts of
 their own (``redis_limits.py``).
 
-Dependencies: a message with parents waits in a blocked hash (its outstanding parents) and is
-attached to each parent in the parent's own queue (a dependents hash), so every script still
-touches one queue's keys. A parent with dependents that settles writes its outcome into its
-queue's finished hash, an outbox that Python drains at once (one resolve script per child, in the
-child's queue) and that ``resolve_dependents`` replays after a crash: every step is idempotent.
+Dependencies: a message with parents waits in a blocked hash, one member of its queue's edges
+zset per parent it still waits for, and is attached to each parent in the parent's own queue (a
+dependents zset), so every script still touches one queue's keys. A parent with dependents that
+settles writes its outcome into its queue's finished hash, an outbox that Python drains at once
+(one resolve script per child, in the child's queue) and that ``resolve_dependents`` replays
+after a crash: every step is idempotent. Both zsets are read by lexical range (members are ids
+joined by NUL), so a step costs the same whether a parent has one dependent or 100,000, and no
+script or pipeline grows with a flow's size.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any, NamedTuple
 
 from django.core.exceptions import ImproperlyConfigured
 
-from .. import conf
+from .. import conf, rows
 from ..envelope import Envelope
 from ..exceptions import (
     AbortRequested,
@@ -73,6 +76,11 @@ PRIORITY_LIMIT = 8000
 REAP_BATCH = 500
 # Edges one attach script links (so that a group of thousands does not hold Redis up at once).
 LINK_BATCH = 500
+# Edges one round of a drain resolves, and commands one pipeline sends: a flow of 100,000 jobs
+# is sent and resolved in rounds that each hold Redis up for a moment only.
+DRAIN_BATCH = 1000
+# Joins the ids of an edge in a member of the dependents and edges zsets (no job id holds it).
+SEP = "\0"
 # Seconds the persistence probe waits for the server (it runs at start-up and in health checks).
 PROBE_TIMEOUT = 5.0
 # A settle script's flag for a parent whose outcome entered the outbox: its dependents wait for
@@ -102,9 +110,10 @@ class QueueKeys(NamedTuple):
     errors: str  # hash: id -> last error
     ahead: str  # hash: id -> "1" claimed ahead of its run, "2" and an earlier such claim was lost
     aborts: str  # hash: id -> who asked to abort the running job (its heartbeat reads it)
-    dependents: str  # hash: parent id -> JSON [[child id, child queue], ...] attached while it is live
+    dependents: str  # zset (lex): "parent id NUL child id NUL child queue", attached while it is live
     finished: str  # hash: parent id -> its outcome, until its dependents are resolved (the outbox)
-    blocked: str  # hash: child id -> JSON [parent id, ...] it still waits for
+    blocked: str  # hash: child id -> how many parents it was dispatched with, while it waits
+    edges: str  # zset (lex): "child id NUL parent id" for each parent a blocked child still waits for
 
     @classmethod
     def of(cls, prefix: str, queue: str) -> QueueKeys:
@@ -150,6 +159,7 @@ class RedisBackend(LimitedBackend):
         self._client: Any = None
         self._scripts: dict[str, Any] = {}
         self._next_due: dict[str, float] = {}
+        self._keys: dict[str, QueueKeys] = {}
         self.limits = redis_limits.RedisLimits(self)
 
     # -- connection --
@@ -189,7 +199,11 @@ class RedisBackend(LimitedBackend):
         self._client = None
 
     def keys(self, queue: str) -> QueueKeys:
-        return QueueKeys.of(self.prefix, queue)
+        """The keys of ``queue`` (worked out once: every script call asks)."""
+        keys = self._keys.get(queue)
+        if keys is None:
+            keys = self._keys[queue] = QueueKeys.of(self.prefix, queue)
+        return keys
 
     def _run(self, script: str, queue: str, *args: Any, client: Any = None) -> Any:
         """Run one Lua script on ``queue``: every script gets all the queue's keys, in
@@ -232,13 +246,18 @@ class RedisBackend(LimitedBackend):
 
     # -- protocol --
 
-    def _push(self, envelope: Envelope, client: Any = None) -> Any:
-        """Store ``envelope`` blocked while it names parents, else as :meth:`_store` does."""
+    def _push(self, envelope: Envelope, client: Any) -> None:
+        """Queue on ``client`` (a pipeline) what stores ``envelope``: with parents, its open
+        edges (``DRAIN_BATCH`` to a command), then itself blocked; else as :meth:`_store` does."""
         parents = _parents(envelope)
         if not parents:
-            return self._store(envelope, client)
-        body, blocked_on = envelope.to_bytes(), json.dumps(parents)
-        return self._run("block", envelope.queue, envelope.id, body, _priority(envelope), blocked_on, client=client)
+            self._store(envelope, client)
+            return
+        edges = self.keys(envelope.queue).edges
+        for chunk in rows.chunked([f"{envelope.id}{SEP}{parent}" for parent in parents], DRAIN_BATCH):
+            client.zadd(edges, dict.fromkeys(chunk, 0))
+        body, priority = envelope.to_bytes(), _priority(envelope)
+        self._run("block", envelope.queue, envelope.id, body, priority, len(parents), client=client)
 
     def _store(self, envelope: Envelope, client: Any = None) -> Any:
         """Store ``envelope`` ready, or delayed until its ``available_at``."""
@@ -247,9 +266,7 @@ class RedisBackend(LimitedBackend):
         return self._run("enqueue", envelope.queue, envelope.id, body, priority, _ms(due), _ms(), client=client)
 
     def enqueue(self, envelope: Envelope) -> str:
-        self._push(envelope)
-        if _parents(envelope):
-            self._attach([(envelope.id, envelope.queue, _parents(envelope))])
+        self.enqueue_many([envelope])
         return envelope.id
 
     def redispatch(self, envelope: Envelope) -> str:
@@ -259,15 +276,17 @@ class RedisBackend(LimitedBackend):
         return envelope.id
 
     def enqueue_many(self, envelopes: list[Envelope]) -> list[str]:
-        """One pipeline stores them all (a child blocked); then the children are attached to
-        their parents, which are stored by then even when they are in this batch."""
-        pipe = self.client.pipeline(transaction=False)
-        for envelope in envelopes:
-            self._push(envelope, client=pipe)
-        pipe.execute()
-        children = [(e.id, e.queue, _parents(e)) for e in envelopes if _parents(e)]
-        if children:
-            self._attach(children)
+        """Pipelines store them all (a child blocked), one per ``DRAIN_BATCH`` jobs; then the
+        children are attached to their parents, which are stored by then even when they are in
+        this batch."""
+        for batch in rows.chunked(envelopes, DRAIN_BATCH):
+            pipe = self.client.pipeline(transaction=False)
+            for envelope in batch:
+                self._push(envelope, pipe)
+            pipe.execute()
+        edges = [(e.id, e.queue, parent) for e in envelopes for parent in _parents(e)]
+        if edges:
+            self._attach(edges)
         return [e.id for e in envelopes]
 
     def fetch(self, queue: str) -> Lease | None:
@@ -497,38 +516,36 @@ class RedisBackend(LimitedBackend):
             ids = ", ".join(parent for parent, _ in parents)
             logger.exception("could not resolve the dependents of job(s) %s now; the reaper's sweep will", ids)
 
-    def _attach(self, children: list[tuple[str, str, list[str]]]) -> None:
-        """``_link`` for children just stored blocked. They are dispatched: an error here is
-        logged, not raised, and the reaper's sweep links them."""
+    def _attach(self, edges: list[tuple[str, str, str]]) -> None:
+        """``_link`` for edges of children just stored blocked. They are dispatched: an error here
+        is logged, not raised, and the reaper's sweep links them."""
         try:
-            self._link(children)
+            self._link(edges)
         except Exception:
-            ids = ", ".join(child for child, _, _ in children)
+            ids = ", ".join(dict.fromkeys(child for child, _, _ in edges))
             logger.exception("could not attach job(s) %s to their parents now; the reaper's sweep will", ids)
 
-    def _link(self, children: list[tuple[str, str, list[str]]]) -> int:
-        """Attach blocked children, (id, queue, outstanding parent ids), to each parent in the
-        queue of ``JOBS["QUEUES"]`` that holds it live: the child's own queue is asked first (a
-        flow usually keeps to one), the others only for parents it does not hold; one script per
-        queue asked and ``LINK_BATCH`` edges. An edge to a parent no longer live is resolved at once. Returns how many
-        dependents that moved on."""
+    def _link(self, edges: list[tuple[str, str, str]]) -> int:
+        """Attach the edges (child, child's queue, parent) of blocked children to each parent in
+        the queue of ``JOBS["QUEUES"]`` that holds it live: the child's own queue is asked first
+        (a flow usually keeps to one), the others only for parents it does not hold; one script
+        per queue asked and ``LINK_BATCH`` edges. An edge to a parent no longer live is resolved
+        at once. Returns how many dependents that moved on."""
         queues = conf.queues()
         said: dict[tuple[str, str, str], str] = {}
-        pending = [(child, queue, parent) for child, queue, parents in children for parent in parents]
+        pending = edges
         for own in (True, False):
             asked: dict[str, list[tuple[str, str, str]]] = {}
             for edge in pending:
                 for queue in [edge[1]] if own else [q for q in queues if q != edge[1]]:
                     asked.setdefault(queue, []).append(edge)
-            chunks = [
-                (q, edges[i : i + LINK_BATCH]) for q, edges in asked.items() for i in range(0, len(edges), LINK_BATCH)
+            chunks = [(q, chunk) for q, some in asked.items() for chunk in rows.chunked(some, LINK_BATCH)]
+            calls = [
+                (q, [json.dumps([[parent, child, child_queue] for child, child_queue, parent in chunk])])
+                for q, chunk in chunks
             ]
-            pipe = self.client.pipeline(transaction=False)
-            for queue, chunk in chunks:
-                edges_json = json.dumps([[parent, child, child_queue] for child, child_queue, parent in chunk])
-                self._run("attach", queue, edges_json, client=pipe)
             replies: dict[tuple[str, str, str], list[str]] = {}
-            for (_, chunk), reply in zip(chunks, pipe.execute() if chunks else [], strict=True):
+            for (_, chunk), reply in zip(chunks, self._each("attach", calls), strict=True):
                 for edge, outcome in zip(chunk, reply, strict=True):
                     replies.setdefault(edge, []).append(_text(outcome))
             for edge, seen in replies.items():
@@ -547,40 +564,58 @@ class RedisBackend(LimitedBackend):
     def _outcomes_on_record(self, ids: list[str]) -> dict[str, str]:
         """The outcome of parents this backend no longer holds: a failed or cancelled ``Job`` row
         of this backend says it; otherwise it completed (Redis forgets completed jobs)."""
-        if not ids:
-            return {}
         from ..models import Job, JobStatus  # the models load after the app registry
 
-        rows = Job.objects.filter(pk__in=ids, backend=self.name, status__in=(JobStatus.FAILED, JobStatus.CANCELLED))
-        return {str(pk): str(status) for pk, status in rows.values_list("pk", "status")}
+        found: dict[str, str] = {}
+        for chunk in rows.chunked(ids):
+            records = Job.objects.filter(
+                pk__in=chunk, backend=self.name, status__in=(JobStatus.FAILED, JobStatus.CANCELLED)
+            )
+            found.update((str(pk), str(status)) for pk, status in records.values_list("pk", "status"))
+        return found
+
+    def _each(self, script: str, calls: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """Run ``script`` once per (queue, args) of ``calls``, in order, ``DRAIN_BATCH`` calls to a
+        pipeline; their replies."""
+        replies: list[Any] = []
+        for batch in rows.chunked(calls, DRAIN_BATCH):
+            pipe = self.client.pipeline(transaction=False)
+            for queue, args in batch:
+                self._run(script, queue, *args, client=pipe)
+            replies += pipe.execute()
+        return replies
 
     def _drain(self, parents: list[tuple[str, str]]) -> int:
-        """Resolve the edges of settled parents, (id, queue), from their queue's outbox, then
-        take them out of it; a dependent failed or cancelled in turn cascades. Returns how many
-        dependents moved on."""
+        """Resolve the edges of settled parents, (id, queue), from their queue's outbox, in rounds
+        of at most ``DRAIN_BATCH`` edges: a parent leaves the outbox once its last edge is
+        resolved (by ``drained``), and a dependent failed or cancelled in turn cascades. Returns
+        how many dependents moved on."""
         resolved = 0
         while parents:
+            now, parents = parents[:DRAIN_BATCH], parents[DRAIN_BATCH:]
+            each = max(1, DRAIN_BATCH // len(now))  # edges read per parent this round
             pipe = self.client.pipeline(transaction=False)
-            for parent, queue in parents:
+            for parent, queue in now:
                 keys = self.keys(queue)
                 pipe.hget(keys.finished, parent)
-                pipe.hget(keys.dependents, parent)
+                pipe.zrangebylex(keys.dependents, *lex_range(parent), 0, each)
             replies = pipe.execute()
             edges, done = [], []
-            for i, (parent, queue) in enumerate(parents):
-                outcome, attached = replies[2 * i], replies[2 * i + 1]
+            for i, (parent, queue) in enumerate(now):
+                outcome, members = replies[2 * i], replies[2 * i + 1]
                 if outcome is None:  # drained meanwhile
                     continue
-                children = json.loads(attached) if attached else []
-                edges += [(child, child_queue, parent, _text(outcome)) for child, child_queue in children]
-                done.append((parent, queue, json.dumps([child for child, _ in children])))
+                for member in members:
+                    child, child_queue = _text(member)[len(parent) + 1 :].rsplit(SEP, 1)
+                    edges.append((child, child_queue, parent, _text(outcome)))
+                done.append(((parent, queue), members))
             settled: list[tuple[str, str]] = []
             resolved += self._resolve(edges, settled)
-            pipe = self.client.pipeline(transaction=False)
-            for parent, queue, children in done:
-                self._run("drained", queue, parent, children, client=pipe)
-            pipe.execute()
-            parents = settled
+            left = self._each(
+                "drained",
+                [(queue, [parent, json.dumps([_text(m) for m in members])]) for (parent, queue), members in done],
+            )
+            parents += [pair for (pair, _), more in zip(done, left, strict=True) if more] + settled
         return resolved
 
     def _resolve(self, edges: list[tuple[str, str, str, str]], settled: list[tuple[str, str]] | None = None) -> int:
@@ -595,13 +630,14 @@ class RedisBackend(LimitedBackend):
 
         if not edges:
             return 0
-        pipe = self.client.pipeline(transaction=False)
         now = _ms()
-        for child, child_queue, parent, outcome in edges:
-            self._run("resolve", child_queue, child, parent, outcome, now, _reason(parent, outcome), client=pipe)
+        calls = [
+            (child_queue, (child, parent, outcome, now, _reason(parent, outcome)))
+            for child, child_queue, parent, outcome in edges
+        ]
         cascade: list[tuple[str, str]] = []
         moved = 0
-        for (child, child_queue, parent, outcome), reply in zip(edges, pipe.execute(), strict=True):
+        for (child, child_queue, parent, outcome), reply in zip(edges, self._each("resolve", calls), strict=True):
             state = _text(reply[0])
             moved += state not in ("none", "waiting")
             if state not in ("failed", "cancelled"):
@@ -624,22 +660,40 @@ class RedisBackend(LimitedBackend):
 
     def resolve_dependents(self) -> int:
         """The safety net the reaper runs: replay every queue's outbox (parents that settled
-        while their dependents' resolution did not finish), then look at each blocked message's
-        outstanding parents again (``_link``): attached to a live parent it waits; otherwise (a
+        while their dependents' resolution did not finish), then look at each open edge of a
+        blocked message again (``_link``): attached to a live parent it waits; otherwise (a
         crash between its dispatch and its attach) the edge is resolved. Every step is
         idempotent. Returns how many dependents moved on."""
         queues = conf.queues()
-        outbox = [(_text(parent), queue) for queue in queues for parent in self.client.hkeys(self.keys(queue).finished)]
+        outbox = [
+            (_text(parent), queue)
+            for queue in queues
+            for parent, _ in self.client.hscan_iter(self.keys(queue).finished, count=REAP_BATCH)
+        ]
         resolved = self._drain(outbox)
         for queue in queues:
-            batch: list[tuple[str, str, list[str]]] = []
-            for child, parents in self.client.hscan_iter(self.keys(queue).blocked, count=REAP_BATCH):
-                batch.append((_text(child), queue, json.loads(parents)))
+            batch: list[tuple[str, str, str]] = []
+            for member, _ in self.client.zscan_iter(self.keys(queue).edges, count=REAP_BATCH):
+                child, parent = _text(member).rsplit(SEP, 1)
+                batch.append((child, queue, parent))
                 if len(batch) >= REAP_BATCH:
-                    resolved += self._link(batch)
+                    resolved += self._relink(queue, batch)
                     batch = []
-            resolved += self._link(batch) if batch else 0
+            resolved += self._relink(queue, batch)
         return resolved
+
+    def _relink(self, queue: str, edges: list[tuple[str, str, str]]) -> int:
+        """``_link`` for open edges of ``queue``'s children that are blocked (the edges of a child
+        not yet stored blocked are left alone: its dispatch attaches them)."""
+        children = list(dict.fromkeys(child for child, _, _ in edges))
+        if not children:
+            return 0
+        blocked = {
+            child
+            for child, count in zip(children, self.client.hmget(self.keys(queue).blocked, children), strict=True)
+            if count is not None
+        }
+        return self._link([edge for edge in edges if edge[0] in blocked])
 
     def reap_expired(self, queue: str | None = None) -> int:
         """Each expired lease counts as a failed run: requeued with backoff, or failed. One
@@ -821,8 +875,13 @@ def _priority(envelope: Envelope) -> int:
 
 def _parents(envelope: Envelope) -> list[str]:
     """The ids of the jobs ``envelope`` waits for (none repeated)."""
-    parents = envelope.options.get("parents")
-    return list(dict.fromkeys(parents)) if parents else []
+    return list(dict.fromkeys(envelope.parents))
+
+
+def lex_range(job_id: str) -> tuple[str, str]:
+    """The ZRANGEBYLEX bounds of the members of a dependents or edges zset that start with
+    ``job_id`` and ``SEP``: that job's edges (common.lua's ``lex_from`` and ``lex_to``)."""
+    return f"[{job_id}{SEP}", f"({job_id}\x01"
 
 
 def _reason(parent: str, outcome: str) -> str:

@@ -59,7 +59,7 @@ class SyncBackend(QueueBackend):
         return DeliveryPipeline(self)
 
     def enqueue(self, envelope: Envelope) -> str:
-        if "parents" in envelope.options and self._settled_by_parents(envelope):
+        if envelope.parents and self._settled_by_parents(envelope):
             return envelope.id
         return self.redispatch(envelope)
 
@@ -104,7 +104,7 @@ class SyncBackend(QueueBackend):
         from ..flows import edges_verdict, record_settled
         from ..pipeline import Outcome, WorkerResult
 
-        edges = [(parent, self.outcomes.get(parent, "completed")) for parent in env.options["parents"]]
+        edges = [(parent, self.outcomes.get(parent, "completed")) for parent in env.parents]
         verdict = edges_verdict(edges, bool(env.options.get("run_if_parent_fails")))
         if verdict.state not in ("failed", "cancelled"):
             return False

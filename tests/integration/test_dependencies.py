@@ -468,10 +468,10 @@ def test_a_parent_never_finishes_without_its_edges(db_case, db_backend, monkeypa
     child = send(db_case, "child", depends_on=[parent])
     lease = fetch(db_backend)
 
-    def crash(*args: Any) -> None:
+    def crash(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("crash while resolving")
 
-    monkeypatch.setattr(dependencies, "_decide", crash)
+    monkeypatch.setattr(dependencies, "_release", crash)
     with pytest.raises(RuntimeError):
         db_backend.ack(lease)
     jobs = Job.objects.using(db_backend.alias)

@@ -202,9 +202,9 @@ SIGNED_CHANGES = [
 ]
 
 
-# Left out of the signature: they change on every requeue (attempts, available_at), or are the
-# signature itself.
-UNSIGNED_FIELDS = ("attempts", "available_at", "signature")
+# Left out of the signature: they change on every requeue (attempts, available_at), are the
+# signature itself, or never leave the process that built the envelope (unlisted_parents).
+UNSIGNED_FIELDS = ("attempts", "available_at", "signature", "unlisted_parents")
 
 
 def test_every_envelope_field_is_either_signed_or_deliberately_left_out():
@@ -213,6 +213,7 @@ def test_every_envelope_field_is_either_signed_or_deliberately_left_out():
     assert set(signing.SIGNED_FIELDS) | set(UNSIGNED_FIELDS) == names
     assert tuple(full_envelope().signed_fields()) == signing.SIGNED_FIELDS
     assert {name for name, _ in SIGNED_CHANGES} == set(signing.SIGNED_FIELDS), "a tampering case per signed field"
+    assert "unlisted_parents" not in json.loads(full_envelope().to_bytes())  # never sent
 
 
 def test_sign_verify_round_trip():

@@ -18,7 +18,7 @@ import pytest
 
 from django_jobs import Jobs, chain, group
 from django_jobs.backends.base import Lease
-from django_jobs.backends.redis import RedisBackend
+from django_jobs.backends.redis import SEP, RedisBackend, lex_range
 from django_jobs.envelope import Envelope
 from django_jobs.models import Job, JobAttempt
 from django_jobs.worker import QueueWorker, WorkerResult
@@ -48,10 +48,17 @@ def run(queue: str = "default") -> WorkerResult:
 
 
 def blocked_on(backend: RedisBackend, job_id: str, queue: str = "default") -> list[str] | None:
-    import json
+    """The parents a blocked job still waits for, sorted (its open edges); ``None``: not blocked."""
+    keys = backend.keys(queue)
+    if backend.client.hget(keys.blocked, job_id) is None:
+        return None
+    return [member.decode().split(SEP)[1] for member in backend.client.zrangebylex(keys.edges, *lex_range(job_id))]
 
-    raw = backend.client.hget(backend.keys(queue).blocked, job_id)
-    return None if raw is None else list(json.loads(raw))
+
+def dependents_of(backend: RedisBackend, job_id: str, queue: str = "default") -> list[str]:
+    """The children attached to a parent, sorted."""
+    members = backend.client.zrangebylex(backend.keys(queue).dependents, *lex_range(job_id))
+    return [member.decode().split(SEP)[1] for member in members]
 
 
 def is_ready(backend: RedisBackend, job_id: str, queue: str = "default") -> bool:
@@ -76,7 +83,7 @@ def leased(backend: RedisBackend, job_id: str, queue: str = "default") -> Lease:
 
 def outbox_and_edges_empty(backend: RedisBackend, *queues: str) -> bool:
     return not any(
-        backend.client.exists(keys.finished, keys.dependents, keys.blocked)
+        backend.client.exists(keys.finished, keys.dependents, keys.blocked, keys.edges)
         for keys in (backend.keys(q) for q in queues or ("default",))
     )
 
@@ -92,7 +99,7 @@ def test_a_child_waits_blocked_until_every_parent_completed(backend):
     a, b = job(backend), job(backend)
     child = job(backend, a.id, b.id, key="child")
 
-    assert blocked_on(backend, child.id) == [a.id, b.id]
+    assert blocked_on(backend, child.id) == sorted([a.id, b.id])
     assert not is_ready(backend, child.id)
     assert backend.peek(child.id).state == "pending"  # live, not leased
     assert run().job_id == a.id
@@ -109,7 +116,7 @@ def test_a_child_in_another_queue_waits_for_a_parent_of_this_one(backend):
     parent = job(backend)
     child = job(backend, parent.id, queue="other")
 
-    assert backend.client.hget(backend.keys("default").dependents, parent.id) is not None
+    assert dependents_of(backend, parent.id) == [child.id]
     run()
 
     assert is_ready(backend, child.id, "other")
@@ -359,7 +366,9 @@ def test_the_sweep_replays_a_drain_cut_between_its_steps(backend):
 def test_the_sweep_resolves_a_child_whose_attach_never_happened(backend, parent_ends):
     parent = job(backend, action="raise" if parent_ends == "failed" else "ok", max_retries=0)
     child = scripted.using(backend="redis").builder(action="ok").depends_on(parent.id).build()
-    backend._push(child)  # stored blocked; the process died before attaching it
+    pipe = backend.client.pipeline()
+    backend._push(child, pipe)
+    pipe.execute()  # stored blocked; the process died before attaching it
     if parent_ends != "live":
         run()  # the parent settles with no dependents known
     assert blocked_on(backend, child.id) == [parent.id]
@@ -383,7 +392,7 @@ def test_a_child_of_more_parents_than_one_attach_script_links(backend):
     parents = [builder.builder(action="ok").build() for _ in range(LINK_BATCH * 2 + 1)]
     child = builder.builder(action="ok").depends_on(*(p.id for p in parents)).build()
     backend.enqueue_many([*parents, child])
-    assert backend.client.hlen(backend.keys("default").dependents) == len(parents)
+    assert backend.client.zcard(backend.keys("default").dependents) == len(parents)
     assert backend.resolve_dependents() == 0  # every edge attached: nothing to do, nothing added
     before = readied(backend)
 
@@ -409,11 +418,11 @@ def test_parents_with_ids_that_json_escapes_are_resolved_one_by_one(backend):
         backend.enqueue(env)
         parents.append(env)
     child = job(backend, *odd)
-    assert blocked_on(backend, child.id) == odd
+    assert blocked_on(backend, child.id) == sorted(odd)
 
     for done, parent in enumerate(parents, 1):
         backend.ack(leased(backend, parent.id))
-        assert blocked_on(backend, child.id) == (odd[done:] or None)
+        assert blocked_on(backend, child.id) == (sorted(odd[done:]) or None)
 
     assert is_ready(backend, child.id)
 

@@ -13,6 +13,7 @@ from django.urls import reverse
 
 from django_jobs import Jobs, chain, group
 from django_jobs.admin.dashboard import dashboard_context
+from django_jobs.admin.jobs import RELATED_SHOWN
 from django_jobs.models import Job
 from django_jobs.testing import run_jobs
 from tests.testapp.jobs import noop, scripted
@@ -74,6 +75,16 @@ def test_a_job_page_links_its_parents_and_children(superuser_client):
         [f"{grandchild} ->{change_url(grandchild)}", "tests.testapp.jobs.noop", "Pending"]
     ]
     assert section(page(superuser_client, noop.dispatch())) == ""  # no dependencies: no section
+
+
+def test_a_job_page_lists_the_first_parents_and_counts_the_others(superuser_client):
+    members = [noop.prepare() for _ in range(RELATED_SHOWN + 5)]
+    *member_ids, callback = group(*members).then(noop.prepare()).dispatch()
+    text = page(superuser_client, callback)
+    listed = [row[0].split(" ->")[0] for row in tables(text)["Waits for"]]
+    assert listed == member_ids[:RELATED_SHOWN]  # the first ones, in the order the callback named them
+    assert "and 5 more." in section(text)
+    assert tables(page(superuser_client, member_ids[0]))["Waiting for it"][0][0].startswith(callback)
 
 
 def test_a_waiting_job_shows_its_status_and_can_be_cancelled(superuser_client):

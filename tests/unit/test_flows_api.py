@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from django_jobs import Jobs, chain, group, job, operations, signing
+from django_jobs.envelope import MESSAGE_PARENTS, Envelope
 from django_jobs.exceptions import BadSignature, DependenciesNotSupported
 from django_jobs.flows import edges_verdict
 from django_jobs.history import attempts_of
@@ -81,6 +82,24 @@ def test_a_group_callback_waits_for_every_member_whatever_they_did():
     assert [e.options for e in group(noop.prepare(), noop.prepare()).build()] == [{}, {}]
 
 
+def test_a_callback_of_more_parents_than_a_message_lists_has_them_beside_its_message():
+    members = [noop.prepare() for _ in range(MESSAGE_PARENTS + 1)]
+    *built, callback = group(*members).then(scripted.prepare()).build()
+    assert "parents" not in callback.options and callback.options["run_if_parent_fails"] is True
+    assert callback.parents == [member.id for member in built]  # in order, for the backend to store
+    signing.verify(callback)
+    assert len(callback.to_bytes()) < 1000  # its message does not grow with the group
+    assert Envelope.from_bytes(callback.to_bytes()).parents == []  # they never travel
+    *listed, last = group(*members[:MESSAGE_PARENTS]).then(noop.prepare()).build()
+    assert last.options["parents"] == last.parents == [member.id for member in listed]
+
+
+def test_depends_on_takes_many_parents_at_once():
+    ids = [f"{n:032x}" for n in range(100_000)]
+    env = noop.using(depends_on=[*ids, ids[0]]).builder().depends_on(*ids[:10]).build()
+    assert env.parents == ids and "parents" not in env.options
+
+
 def test_chains_and_groups_take_prepared_calls_on_one_backend():
     with pytest.raises(ValueError, match="at least one"):
         chain()
@@ -95,6 +114,8 @@ def test_a_backend_without_dependencies_refuses_a_job_with_parents():
         noop.using(backend="beanstalk", depends_on=["p"]).dispatch()
     with pytest.raises(DependenciesNotSupported):
         chain(noop.prepare(), noop.prepare()).dispatch(backend="beanstalk")
+    with pytest.raises(DependenciesNotSupported):  # parents beside the message count too
+        noop.using(backend="beanstalk", depends_on=[f"p{n}" for n in range(MESSAGE_PARENTS + 1)]).dispatch()
 
 
 def test_edges_verdict():
@@ -146,3 +167,13 @@ def test_the_sync_backend_runs_a_retried_dependent_of_a_failed_parent(django_cap
 
     assert list(SideEffect.objects.values_list("key", flat=True).order_by("id")) == ["r1", "r2"]
     assert (Job.objects.get(pk=child).status, Jobs.backend("sync").outcomes[failing]) == ("completed", "failed")
+
+
+def test_the_sync_backend_sees_parents_beside_the_message(django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True):
+        failing = flow_step.using(backend="sync").dispatch(None, "p", action="raise")
+        # Parents it did not run count as completed: the failed one decides.
+        parents = [*(f"{n:032x}" for n in range(MESSAGE_PARENTS)), failing]
+        child = flow_step.using(backend="sync", depends_on=parents).dispatch(None, "c")
+    assert list(SideEffect.objects.values_list("key", flat=True)) == ["p"]
+    assert Job.objects.get(pk=child).last_error == f"ParentFailed: parent {failing} failed"

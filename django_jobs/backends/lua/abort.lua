@@ -16,6 +16,6 @@ if redis.call('ZSCORE', processing_key, id) then
 end
 redis.call('ZREM', waiting_key, id)
 redis.call('ZREM', delayed_key, id)
-redis.call('HDEL', blocked_key, id)
+unblock(id)
 forget(id)
 return {'cancelled', body, settled(id, 'cancelled')}

@@ -7,13 +7,7 @@ local edges = ARGV[1]           -- JSON: [[parent id, child id, child queue], ..
 local function attach(parent, child, child_queue)
   local failed = redis.call('ZSCORE', failed_key, parent)
   if redis.call('HEXISTS', bodies_key, parent) == 1 and not failed then
-    local raw = redis.call('HGET', dependents_key, parent)
-    local edge = cjson.encode({child, child_queue})
-    if not raw then
-      redis.call('HSET', dependents_key, parent, '[' .. edge .. ']')
-    elseif not string.find(raw, '[' .. cjson.encode(child) .. ',', 1, true) then  -- a string holds no bare quote
-      redis.call('HSET', dependents_key, parent, string.sub(raw, 1, -2) .. ',' .. edge .. ']')
-    end
+    redis.call('ZADD', dependents_key, 0, parent .. '\0' .. child .. '\0' .. child_queue)
     return 'attached'
   end
   local outcome = redis.call('HGET', finished_key, parent)

@@ -12,9 +12,10 @@ local failed_key = KEYS[9]      -- zset: failure ms -> id, kept for audit
 local errors_key = KEYS[10]     -- hash: id -> last error
 local ahead_key = KEYS[11]      -- hash: id -> '1' claimed ahead of its run, '2' and an earlier such claim was lost
 local aborts_key = KEYS[12]     -- hash: id -> who asked to abort the job (read by extend.lua)
-local dependents_key = KEYS[13] -- hash: parent id -> JSON [[child id, child queue], ...] (attach.lua)
+local dependents_key = KEYS[13] -- zset (lex): parent id NUL child id NUL child queue (attach.lua)
 local finished_key = KEYS[14]   -- hash: parent id -> its outcome, until every edge is resolved (outbox)
-local blocked_key = KEYS[15]    -- hash: child id -> JSON [parent id, ...] still outstanding
+local blocked_key = KEYS[15]    -- hash: child id -> how many parents it was dispatched with
+local edges_key = KEYS[16]      -- zset (lex): child id NUL parent id, each edge of a blocked message still open
 
 -- 2^40: one priority step in a waiting score, above any sequence number.
 local PRIORITY_STEP = 1099511627776
@@ -62,31 +63,30 @@ local function forget(id)
   redis.call('HDEL', aborts_key, id)
 end
 
+-- The bounds of the members of a lex zset (dependents, edges) that start with `id` NUL: a job
+-- id holds no NUL, so they are exactly that job's edges, found in O(log N).
+local function lex_from(id) return '[' .. id .. '\0' end
+local function lex_to(id) return '(' .. id .. '\1' end
+
+-- Whether some message is attached to `id` as its child (a queue without any costs one EXISTS).
+local function has_dependents(id)
+  if redis.call('EXISTS', dependents_key) == 0 then return false end
+  return #redis.call('ZRANGEBYLEX', dependents_key, lex_from(id), lex_to(id), 'LIMIT', 0, 1) > 0
+end
+
 -- `id` settled for good with `outcome` ('completed', 'failed' or 'cancelled'). When messages
 -- depend on it, the outcome enters the outbox for the caller to resolve their edges (resolve.lua
 -- in each child's queue, then drained.lua): returns 2 then, else 1.
 local function settled(id, outcome)
-  if redis.call('HEXISTS', dependents_key, id) == 0 then return 1 end
+  if not has_dependents(id) then return 1 end
   redis.call('HSET', finished_key, id, outcome)
   return 2
 end
 
--- `list`, a compact JSON array as cjson writes it, without its element `token` (an element
--- as cjson encodes it); nil when `token` is not one of its elements. Plain string search and
--- copy: a job's list of thousands of parents is never decoded into a table to drop one.
-local function without(list, token)
-  local from = 1
-  while true do
-    local i, j = string.find(list, token, from, true)
-    if not i then return nil end
-    local before, after = string.sub(list, i - 1, i - 1), string.sub(list, j + 1, j + 1)
-    if (before == '[' or before == ',') and (after == ']' or after == ',') then
-      if before == ',' then return string.sub(list, 1, i - 2) .. string.sub(list, j + 1) end
-      if after == ',' then return string.sub(list, 1, i - 1) .. string.sub(list, j + 2) end
-      return '[]'
-    end
-    from = i + 1
-  end
+-- `id` no longer waits: it leaves the blocked hash with its open edges (one step however many).
+local function unblock(id)
+  redis.call('HDEL', blocked_key, id)
+  redis.call('ZREMRANGEBYLEX', edges_key, lex_from(id), lex_to(id))
 end
 
 -- Make due delayed messages ready.

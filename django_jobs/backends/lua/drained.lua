@@ -1,21 +1,12 @@
--- Every edge of a settled parent listed in `children` is resolved: the parent leaves the outbox
--- and forgets those children (a parent dispatched again since keeps the ones attached to it
--- meanwhile).
+-- These edges of a settled parent are resolved (members of its dependents): they are forgotten,
+-- and once it has no edge left, the parent leaves the outbox. Returns 1 while it has edges left
+-- (the caller drains them next), else 0.
 local parent = ARGV[1]
-local children = ARGV[2]        -- JSON: [child id, ...]
+local members = ARGV[2]         -- JSON: [member, ...], at most a drain round's
 
+for _, member in ipairs(cjson.decode(members)) do
+  redis.call('ZREM', dependents_key, member)
+end
+if has_dependents(parent) then return 1 end
 redis.call('HDEL', finished_key, parent)
-local raw = redis.call('HGET', dependents_key, parent)
-if not raw then return 1 end
-local done = {}
-for _, child in ipairs(cjson.decode(children)) do done[child] = true end
-local kept = {}
-for _, edge in ipairs(cjson.decode(raw)) do
-  if not done[edge[1]] then table.insert(kept, edge) end
-end
-if #kept == 0 then
-  redis.call('HDEL', dependents_key, parent)
-else
-  redis.call('HSET', dependents_key, parent, cjson.encode(kept))
-end
-return 1
+return 0

@@ -1,7 +1,7 @@
 -- A parent of a blocked message of this queue finished with `outcome`: that edge is resolved.
--- Once the last one is, the message is ready (or delayed until its own due time). A failed or
+-- Once none is open, the message is ready (or delayed until its own due time). A failed or
 -- cancelled parent settles it the same way at once (failed: kept for audit; cancelled:
--- forgotten), unless its envelope says run_if_parent_fails. A parent already resolved, or a
+-- forgotten), unless its envelope says run_if_parent_fails. An edge already resolved, or a
 -- message no longer blocked, changes nothing: a replay is harmless.
 -- Returns {'none'}, {'waiting'}, {'ready'}, or {outcome, body, settled's flag} when it settled
 -- the message ('failed' or 'cancelled').
@@ -11,19 +11,14 @@ local outcome = ARGV[3]         -- 'completed' | 'failed' | 'cancelled'
 local now = tonumber(ARGV[4])   -- ms
 local reason = ARGV[5]          -- the last error of a message it settles
 
-local raw = redis.call('HGET', blocked_key, id)
-if not raw then return {'none'} end
-local left = without(raw, cjson.encode(parent))
-if not left then return {'none'} end
-local function still_blocked()
-  redis.call('HSET', blocked_key, id, left)
-  return {'waiting'}
-end
+if redis.call('HEXISTS', blocked_key, id) == 0 then return {'none'} end
+if redis.call('ZREM', edges_key, id .. '\0' .. parent) == 0 then return {'none'} end
 local failed = outcome ~= 'completed'
-if not failed and left ~= '[]' then return still_blocked() end  -- the usual case: its body is not read
+local open = redis.call('ZLEXCOUNT', edges_key, lex_from(id), lex_to(id))
+if not failed and open > 0 then return {'waiting'} end  -- the usual case: its body is not read
 local body = redis.call('HGET', bodies_key, id)
 if not body then  -- its body was purged by hand: nothing left to run or settle
-  redis.call('HDEL', blocked_key, id)
+  unblock(id)
   return {'none'}
 end
 local decoded, envelope = pcall(cjson.decode, body)  -- not decodable: the worker rejects it
@@ -31,7 +26,7 @@ if not decoded or type(envelope) ~= 'table' then envelope = {} end
 local options = type(envelope.options) == 'table' and envelope.options or {}
 
 if failed and options.run_if_parent_fails ~= true then
-  redis.call('HDEL', blocked_key, id)
+  unblock(id)
   if outcome == 'failed' then
     fail(id, now, reason)
   else
@@ -39,7 +34,7 @@ if failed and options.run_if_parent_fails ~= true then
   end
   return {outcome, body, settled(id, outcome)}
 end
-if left ~= '[]' then return still_blocked() end
+if open > 0 then return {'waiting'} end
 redis.call('HDEL', blocked_key, id)
 local due = type(envelope.available_at) == 'number' and math.floor(envelope.available_at * 1000) or 0
 requeue(id, due, now)
