@@ -149,6 +149,8 @@ class JobBuilder:
         """Retries after the first run: total runs = ``value + 1``."""
         if value < 0:
             raise ValueError("max_retries must not be negative")
+        if value > INT_MAX:
+            raise ValueError(f"max_retries must be at most {INT_MAX} (what every backend's record holds), not {value}")
         return self._set(max_retries=int(value))
 
     def timeout(self, seconds: float | None) -> JobBuilder:
@@ -175,6 +177,10 @@ class JobBuilder:
         return self._set(idempotency_key=key)
 
     def named(self, name: str) -> JobBuilder:
+        """A name for people (the admin, logs): a str of at most 255 characters."""
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, not {type(name).__name__}")
+        _check_text("name", name, NAME_MAX_LENGTH)
         return self._set(name=name)
 
     def backoff(self, **policy: Unpack[BackoffOptions]) -> JobBuilder:
@@ -235,6 +241,8 @@ class JobBuilder:
                     self.depends_on(*_id_list(value))
             elif key == "backoff":
                 self.backoff(**value)
+            elif key == "name" and value is not None:
+                self.named(value)
             elif key in ("max_retries", "scheduled_at", "timeout") or (
                 value is not None and key in ("priority", "delay", "idempotency_key")
             ):
@@ -357,11 +365,28 @@ def _delay_seconds(delay: float | timedelta) -> float:
     return check_delay(delay.total_seconds() if isinstance(delay, timedelta) else delay, "delay")
 
 
+# What the Job table's integer columns hold on every database (a signed 32-bit int): a broker's
+# record of a job (a failure, a kept result) must fit there too.
+INT_MAX = 2**31 - 1
+# The Job table's name column holds this many characters.
+NAME_MAX_LENGTH = 255
+
+
 def _check_priority(value: object) -> int:
-    """A ``priority`` option: an int (``True`` is not a priority)."""
+    """A ``priority`` option: an int (``True`` is not a priority) that a record can hold."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"priority must be an int, not {type(value).__name__}")
+    if not -INT_MAX - 1 <= value <= INT_MAX:
+        raise ValueError(f"priority must be between {-INT_MAX - 1} and {INT_MAX}, not {value}")
     return value
+
+
+def _check_text(option: str, value: str, limit: int) -> None:
+    """A text option that the Job table keeps: at most ``limit`` characters, no U+0000."""
+    if len(value) > limit:
+        raise ValueError(f"{option} of {len(value)} characters is too long: at most {limit}")
+    if "\x00" in value:
+        raise ValueError(f"{option} contains U+0000, which PostgreSQL cannot store")
 
 
 # The Job table's id column holds this many characters: a longer id names no job.
@@ -489,10 +514,7 @@ def _check_idempotency_key(key: object) -> None:
         return
     if not isinstance(key, str):
         raise TypeError(f"idempotency_key must be a str, not {type(key).__name__}")
-    if len(key) > IDEMPOTENCY_KEY_MAX_LENGTH:
-        raise ValueError(f"idempotency_key of {len(key)} characters is too long: at most {IDEMPOTENCY_KEY_MAX_LENGTH}")
-    if "\x00" in key:
-        raise ValueError("idempotency_key contains U+0000, which PostgreSQL cannot store")
+    _check_text("idempotency_key", key, IDEMPOTENCY_KEY_MAX_LENGTH)
 
 
 class Jobs:

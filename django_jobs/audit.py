@@ -81,6 +81,7 @@ def _record(envelope: Envelope, outcome: dict[str, Any], backend: str, attempts:
     reason = _untrusted(envelope, backend, queue or envelope.queue)
     if reason is None:
         # A new row's created_at is the job's dispatch, which its id tells, not this record's time.
+        fields = _fitted(fields)  # a message from before dispatch refused what no row holds
         sent = {"created_at": time_of(envelope.id) or now}
         Job.objects.update_or_create(id=envelope.id, defaults=fields, create_defaults={**fields, **sent})
         return
@@ -100,13 +101,28 @@ def _record(envelope: Envelope, outcome: dict[str, Any], backend: str, attempts:
     )
 
 
+# What the Job table's integer columns hold on every database.
+_INT_RANGE = (-(2**31), 2**31 - 1)
+
+
 def _fitted(fields: dict[str, Any]) -> dict[str, Any]:
-    """Text fields cut to their columns' lengths, so an oversized forgery is still recorded."""
+    """Fields as their columns hold them, so a record is kept whatever the message carried:
+    text cut to its column's length and U+0000 (which PostgreSQL refuses) replaced, integers
+    clamped to their column's range."""
     fitted = dict(fields)
     for name, value in fields.items():
-        limit = getattr(Job._meta.get_field(name), "max_length", None)
-        if isinstance(value, str) and limit and len(value) > limit:
-            fitted[name] = value[:limit]
+        field = Job._meta.get_field(name)
+        if isinstance(value, str):
+            value = value.replace("\x00", "\ufffd")
+            limit = getattr(field, "max_length", None)
+            fitted[name] = value[:limit] if limit else value
+        elif (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and field.get_internal_type().endswith("IntegerField")
+        ):
+            low = 0 if field.get_internal_type().startswith("Positive") else _INT_RANGE[0]
+            fitted[name] = min(max(value, low), _INT_RANGE[1])
     return fitted
 
 

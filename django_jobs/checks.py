@@ -21,7 +21,7 @@ from django.utils.module_loading import module_has_submodule
 
 from . import conf, signing
 from .exceptions import summary
-from .retry import STRATEGIES
+from .retry import MAX_DELAY_SECONDS, STRATEGIES
 
 # A rule returns why a value is wrong ("must be ..., not ...") or None when it is fine.
 Rule = Callable[[Any], "str | None"]
@@ -45,11 +45,15 @@ def did_you_mean(word: Any, choices: Iterable[str]) -> str | None:
 # -- rules: one per kind of value ---------------------------------------------------------------------
 
 
-def _number(*, integer: bool = False, positive: bool = False, optional: bool = False) -> Rule:
+def _number(*, integer: bool = False, positive: bool = False, optional: bool = False, seconds: bool = False) -> Rule:
+    """``seconds``: a duration, at most a year (a date past the year 9999 cannot be stored)."""
     kind = "integer" if integer else "number"
     wanted = f"a {'positive' if positive else 'non-negative'} {kind}"
+    if seconds:
+        wanted += f" of seconds, at most {MAX_DELAY_SECONDS} (a year)"
     if optional:
         wanted = f"None or {wanted}"
+    maximum = MAX_DELAY_SECONDS if seconds else math.inf
 
     def rule(value: Any) -> str | None:
         if optional and value is None:
@@ -60,6 +64,7 @@ def _number(*, integer: bool = False, positive: bool = False, optional: bool = F
             and not isinstance(value, bool)
             and math.isfinite(value)
             and (value > 0 if positive else value >= 0)
+            and value <= maximum
         )
         return None if ok else f"must be {wanted}, not {conf.describe(value)}"
 
@@ -136,16 +141,16 @@ RULES: dict[str, tuple[str, Rule]] = {
     "BACKENDS": ("E010", _backends),
     "QUEUES": ("E010", _names(ordered=True)),
     "RETRY_BACKOFF_STRATEGY": ("E003", _name),  # then one of STRATEGIES: _strategy
-    "RETRY_BACKOFF_BASE": ("E004", _number()),
+    "RETRY_BACKOFF_BASE": ("E004", _number(seconds=True)),
     "RETRY_BACKOFF_MULTIPLIER": ("E004", _number()),
-    "RETRY_BACKOFF_MAX": ("E004", _number()),
+    "RETRY_BACKOFF_MAX": ("E004", _number(seconds=True)),
     "RETRY_BACKOFF_JITTER": ("E010", _boolean),
     "DEFAULT_MAX_RETRIES": ("E004", _number(integer=True)),
-    "DEFAULT_TIMEOUT": ("E004", _number(positive=True, optional=True)),
-    "LEASE_TIMEOUT": ("E004", _number(positive=True)),
-    "ABORT_GRACE": ("E004", _number()),
+    "DEFAULT_TIMEOUT": ("E004", _number(positive=True, optional=True, seconds=True)),
+    "LEASE_TIMEOUT": ("E004", _number(positive=True, seconds=True)),
+    "ABORT_GRACE": ("E004", _number(seconds=True)),
     "DEAD_LETTER_QUEUE": ("E010", _optional_name),
-    "IDEMPOTENCY_TTL": ("E004", _number()),
+    "IDEMPOTENCY_TTL": ("E004", _number(seconds=True)),
     "IDEMPOTENCY_CACHE": ("E010", _name),
     "SIGNING_KEY": ("E011", _signing_key),
     "SIGNING_KEY_FALLBACKS": ("E011", signing.keys_problem),
@@ -157,7 +162,7 @@ RULES: dict[str, tuple[str, Rule]] = {
     "ALLOWED_EVENTS": ("E011", _names()),
     "URL_ALLOW_PRIVATE_NETWORKS": ("E011", _boolean),
     "IMPORTS": ("E010", _names()),
-    "POLL_INTERVAL": ("E004", _number()),
+    "POLL_INTERVAL": ("E004", _number(positive=True, seconds=True)),  # 0 would poll in a busy loop
     "METRICS_COLLECTOR": ("E010", _optional_name),
     "SCHEDULE": ("E010", _dict),
     "LIMITS": ("E015", _dict),  # then each entry, and who enforces it: _limits

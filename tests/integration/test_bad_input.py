@@ -8,7 +8,9 @@ table (or a bug elsewhere) could.
 from __future__ import annotations
 
 import math
+import re
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -268,3 +270,36 @@ def test_lone_surrogate_is_refused_with_invalid_payload():
     with pytest.raises(InvalidPayload):
         scripted.dispatch(action="file-\udcff.txt")
     assert Job.objects.count() == 0
+
+
+# -- options that a record of the job could not hold -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("priority", 2**31, "priority must be between"),
+        ("priority", -(2**31) - 1, "priority must be between"),
+        ("max_retries", 2**31, "max_retries must be at most 2147483647"),
+        ("name", "n" * 256, "name of 256 characters is too long: at most 255"),
+        ("name", "a\x00b", "name contains U+0000"),
+    ],
+)
+def test_an_option_no_record_could_hold_is_refused_at_dispatch(option, value, message):
+    # On a broker the job would run, but its failure could not be recorded for the admin.
+    with pytest.raises(ValueError, match=re.escape(message)):
+        scripted.using(backend="redis", **{option: value}).dispatch(action="ok")
+
+
+def test_a_broker_records_a_failure_whose_fields_no_column_holds(redis_up):
+    """A message from before dispatch refused such values (signed, genuine) is still recorded."""
+    from django_jobs import signing
+    from django_jobs.audit import record_failure
+
+    envelope = Jobs.define("tests.testapp.jobs.scripted", {"args": [], "kwargs": {}}).queue("default").build()
+    envelope = replace(envelope, name="n\x00" + "x" * 300, priority=2**40)
+    envelope = replace(envelope, signature=signing.sign(envelope))
+    record_failure(envelope, "RuntimeError: boom", "redis", 1)
+
+    job = Job.objects.get(pk=envelope.id)
+    assert (job.status, job.name, job.priority) == ("failed", ("n\ufffd" + "x" * 300)[:255], 2**31 - 1)

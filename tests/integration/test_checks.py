@@ -110,7 +110,19 @@ def test_default_timeout_must_be_none_or_positive(value):
 
 
 def test_zero_is_a_valid_number():
-    assert jobs_errors(DEFAULT_MAX_RETRIES=0, RETRY_BACKOFF_BASE=0, IDEMPOTENCY_TTL=0, POLL_INTERVAL=0) == []
+    assert jobs_errors(DEFAULT_MAX_RETRIES=0, RETRY_BACKOFF_BASE=0, IDEMPOTENCY_TTL=0) == []
+
+
+def test_a_zero_poll_interval_is_refused_it_would_poll_in_a_busy_loop():
+    only(jobs_errors(POLL_INTERVAL=0), "django_jobs.E004", "POLL_INTERVAL", "positive")
+
+
+@pytest.mark.parametrize(
+    "key", ["LEASE_TIMEOUT", "ABORT_GRACE", "DEFAULT_TIMEOUT", "IDEMPOTENCY_TTL", "POLL_INTERVAL", "RETRY_BACKOFF_MAX"]
+)
+def test_a_duration_past_a_year_is_refused(key):
+    # 1e12 s from now is past the year 9999: a worker could store no lease or due time.
+    only(jobs_errors(**{key: 1e12}), "django_jobs.E004", key, "at most 31536000")
 
 
 def test_unknown_idempotency_cache_alias():
