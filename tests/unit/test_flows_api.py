@@ -169,6 +169,7 @@ def test_the_sync_backend_runs_a_retried_dependent_of_a_failed_parent(django_cap
     assert (Job.objects.get(pk=child).status, Jobs.backend("sync").outcomes[failing]) == ("completed", "failed")
 
 
+@pytest.mark.django_db
 def test_the_sync_backend_sees_parents_beside_the_message(django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks(execute=True):
         failing = flow_step.using(backend="sync").dispatch(None, "p", action="raise")
