@@ -399,6 +399,42 @@ def test_the_job_admin_in_the_browser(live_server, browser, django_user_model, f
     assert LogEntry.objects.get(object_id=jobs["pending"]).get_change_message() == "Cancelled (was pending, never run)"
 
 
+def test_the_abort_button_says_what_is_true_and_is_not_offered_twice(live_server, browser, django_user_model):
+    """A running job's Abort: the message says the worker was asked (not that it stopped), the
+    page says who asked and when in place of the button, the list says "aborting"; a second
+    abort from the list is told it was asked already."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    django_user_model.objects.create_superuser("boss", "boss@example.com", PASSWORD)
+    job_id = scripted.using(name="import catalogue").dispatch(action="ok")
+    assert Jobs.backend("default").fetch("default").token == job_id  # a worker holds it
+
+    log_in(browser, live_server, "boss")
+    browser.find_element(By.LINK_TEXT, short(job_id)).click()
+    browser.find_element(By.CSS_SELECTOR, "button.job-abort").click()
+
+    message = browser.find_element(By.CSS_SELECTOR, ".messagelist li").text
+    assert "Asked 1 running job(s) to abort" in message and "within about" in message, message
+    assert "stopped" not in message
+    assert absent(browser, "button.job-abort"), "an abort is offered once"
+    state = browser.find_element(By.CSS_SELECTOR, "span.job-state.job-aborting")
+    assert state.text.lower() == "abort requested" and "abort requested by admin:boss at " in state.get_attribute("title")
+    assert "abort requested by admin:boss at " in browser.find_element(By.CSS_SELECTOR, "body").text
+    screenshot(browser, "abort-requested")
+    job = Job.objects.get(pk=job_id)
+    assert (job.status, job.abort_requested) == ("in_progress", "admin:boss") and job.abort_requested_at is not None
+
+    browser.get(f"{live_server.url}/admin/django_jobs/job/")
+    row = browser.find_element(By.CSS_SELECTOR, f"input[value='{job_id}']").find_element(By.XPATH, "ancestor::tr")
+    assert "aborting" in row.text
+    row.find_element(By.CSS_SELECTOR, "input[name=_selected_action]").click()
+    Select(browser.find_element(By.NAME, "action")).select_by_value("abort")
+    browser.find_element(By.CSS_SELECTOR, "button[name=index]").click()
+    again = browser.find_element(By.CSS_SELECTOR, ".messagelist li").text
+    assert "already" in again and "admin:boss" in again, again
+
+
 def test_a_view_only_staff_user_reads_but_cannot_retry_or_cancel(
     live_server, browser, django_user_model, failed_job, settings
 ):
