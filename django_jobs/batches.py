@@ -76,8 +76,7 @@ class Batches:
         self._ahead: deque[Lease] = deque()
         self._acks: list[Lease] = []
         self._begun: list[Lease] = []  # started, claimed ahead, their starts not written yet
-        self._watching = False  # a ``_watch`` is scheduled on the heartbeat thread ...
-        self._watch_due = 0.0  # ... at this time.monotonic()
+        self._watch_due: float | None = None  # when the ``_watch`` scheduled on the heartbeat runs
         self._lock = threading.Lock()
         self._claimed_at = 0.0
         self._job_seconds = BATCH_SECONDS / 10  # so the first batch holds 10 jobs
@@ -160,7 +159,7 @@ class Batches:
         """The run ends: write the waiting acks and hand back every job held ahead."""
         self.heartbeat.cancel()
         with self._lock:
-            self._watching = False
+            self._watch_due = None
         self.flush()
         self.hand_back()
 
@@ -230,16 +229,16 @@ class Batches:
         if self._ahead and time.monotonic() - self._claimed_at >= HAND_BACK_AFTER:
             self.hand_back()
         with self._lock:
-            self._watching = False
+            self._watch_due = None
             if self._ahead or self._acks or self._begun:
                 self._watch_later()
 
     def _watch_later(self, delay: float = BATCH_SECONDS) -> None:
         """Under the lock: ``_watch`` in ``delay`` seconds, unless one is due sooner."""
         due = time.monotonic() + delay
-        if self._watching and self._watch_due <= due:
+        if self._watch_due is not None and self._watch_due <= due:
             return
-        self._watching, self._watch_due = True, due
+        self._watch_due = due
         self.heartbeat.after(due, self._watch)
 
     # -- helpers --
