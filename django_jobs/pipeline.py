@@ -665,7 +665,8 @@ class DeliveryPipeline:
         logger.critical(
             "job %s is stuck past its timeout; settling it as failed", d.env.id, extra=lease_fields(d.lease, d.attempt)
         )
-        self.settle(d.lease, self._failed(d, exc, seconds=0.0), retries=())
+        # Now, not with a batch: the process ends next, and its requeue would never be written.
+        self.settle(d.lease, self._failed(d, exc, seconds=0.0), retries=(), batched=False)
         self._release_limits(d)
 
     # -- settling --
@@ -677,8 +678,10 @@ class DeliveryPipeline:
         *,
         on_success: list[Callable[[], None]] | None = None,
         retries: tuple[float, ...] = SETTLE_RETRY_PAUSES,
+        batched: bool = True,
     ) -> WorkerResult:
-        """Tell the backend, count it, and build the result. ``LeaseLost`` -> ``lease-lost``."""
+        """Tell the backend, count it, and build the result. ``LeaseLost`` -> ``lease-lost``.
+        ``batched``: a failed run's requeue may wait for its batch (:attr:`requeue_later`)."""
         outcome, env, queue = verdict.outcome, lease.envelope, lease.queue
         if outcome is Outcome.REJECTED or env is None:
             job_id, attempt = lease.token, None
@@ -689,11 +692,11 @@ class DeliveryPipeline:
         else:
             try:
                 try:
-                    now = self._tell_backend(lease, verdict, on_success or (), retries)
+                    now = self._tell_backend(lease, verdict, on_success or (), retries, batched)
                 except AbortRequested as asked:  # a requeue refused: the job was asked to abort
                     verdict = _instead_of_requeue(verdict, asked.requested_by)
                     outcome = verdict.outcome
-                    now = self._tell_backend(lease, verdict, (), retries)
+                    now = self._tell_backend(lease, verdict, (), retries, batched)
             except LeaseLost:
                 self.metrics.increment("jobs_lease_lost", queue=queue)
                 logger.warning(
@@ -726,7 +729,12 @@ class DeliveryPipeline:
         return result
 
     def _tell_backend(
-        self, lease: Lease, verdict: Verdict, on_success: Iterable[Callable[[], None]], retries: tuple[float, ...]
+        self,
+        lease: Lease,
+        verdict: Verdict,
+        on_success: Iterable[Callable[[], None]],
+        retries: tuple[float, ...],
+        batched: bool,
     ) -> bool:
         """Settle with the backend; ``False`` when a failed run's requeue waits for its batch
         (:attr:`requeue_later`)."""
@@ -740,7 +748,7 @@ class DeliveryPipeline:
         elif outcome is Outcome.SKIPPED_IDEMPOTENT:
             self.retrying(self.backend.ack, retries, lease, count_run=False)
         elif outcome is Outcome.REQUEUED:
-            if count_run and self.requeue_later is not None and self.requeue_later(lease, verdict):
+            if count_run and batched and self.requeue_later is not None and self.requeue_later(lease, verdict):
                 return False
             self.retrying(
                 self.backend.nack, retries, lease, verdict.delay, error=verdict.error or "", count_run=count_run
