@@ -944,7 +944,7 @@ def _requeue_args(requeue: Requeue) -> tuple[str, str, bytes, int, str]:
     env = lease.envelope
     assert env is not None, "only a decoded message can be requeued"
     again = env.next_attempt() if requeue.count_run else replace(env)
-    due = _ms(max(requeue.due, time.time()))
+    due = _ms(requeue.due)  # a due time already past is ready now
     again.available_at = _from_ms(due)
     # A lone surrogate (a file name Python escaped) would make the whole batch unsendable.
     return lease.token, lease.owner_token, again.to_bytes(), due, requeue.error.encode(errors="replace").decode()
