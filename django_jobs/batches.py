@@ -20,15 +20,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from django.utils import timezone
-
-from .backends.base import NO_RESULT, Lease, QueueBackend
+from .backends.base import NO_RESULT, Lease, QueueBackend, Requeue, Requeued
 from .exceptions import AbortRequested, LeaseLost
 from .heartbeat import Heartbeat
 from .logfields import lease_fields
 from .metrics import MetricsCollector
+
+if TYPE_CHECKING:
+    from .pipeline import Verdict
+
+# What settling a batch writes: the leases found lost among the acks, and what became of each
+# requeue.
+Settled = tuple[list[Lease], list[Requeued]]
 
 logger = logging.getLogger("django_jobs.worker")
 
@@ -65,17 +70,23 @@ class Batches:
         *,
         maximum: int,
         lease_seconds: float,
-        settle: Callable[[Callable[[list[Lease]], list[Lease]], list[Lease]], list[Lease]],
+        settle: Callable[[Callable[[list[Lease]], Settled], list[Lease]], Settled],
         cancel: Callable[[Lease, str], object],
+        requeued: Callable[[list[tuple[Lease, Verdict]]], None],
+        refused: Callable[[Lease, Verdict, str], object],
     ) -> None:
         self.backend, self.heartbeat, self.metrics = backend, heartbeat, metrics
         self.maximum, self.lease_seconds = maximum, lease_seconds
         self.settle = settle  # runs a backend call, retrying transient errors
         self.cancel = cancel  # settles a job held here that was asked to abort (who asked)
+        self.requeued = requeued  # failed runs whose requeues were written: count and record them
+        self.refused = refused  # a failed run's requeue refused, the job asked to abort: cancel it (never raises)
         self.tickets: Tickets | None = None  # the run's, while it runs
         self._ahead: deque[Lease] = deque()
         self._acks: list[Lease] = []
-        self._begun: list[Lease] = []  # started, claimed ahead, their starts not written yet
+        self._requeues: list[tuple[Requeue, Verdict]] = []  # failed runs, written with the acks
+        # Started, claimed ahead, their starts not written yet (by ``id``: ended drops one in O(1)).
+        self._begun: dict[int, Lease] = {}
         self._watch_due: float | None = None  # when the ``_watch`` scheduled on the heartbeat runs
         self._lock = threading.Lock()
         self._claimed_at = 0.0
@@ -105,17 +116,22 @@ class Batches:
         assert self.tickets is not None, "claims are made by a run"
         size = max(1, min(self.maximum, int(BATCH_SECONDS / max(self._job_seconds, 1e-6))))
         extra = self.tickets.reserve(size - 1, stopping)
-        acks = self._take_acks()
+        with self._lock:
+            acks, self._acks = self._acks, []
+            requeues, self._requeues = self._requeues, []
         claimed: list[Lease] = []
         try:
             for queue in queues:
-                lost, claimed = self.backend.ack_many_and_fetch(acks, queue, extra + 1)
+                lost, done, claimed = self.backend.settle_many_and_fetch(
+                    acks, [requeue for requeue, _ in requeues], queue, extra + 1
+                )
+                written, acks, requeues = requeues, [], []
                 self._count_lost(lost)
-                acks = []
+                self._written(written, done)
                 if claimed:
                     break
         except BaseException:
-            self._put_back(acks)
+            self._put_back(acks, requeues)
             self.tickets.give_back(extra)
             raise
         self.tickets.give_back(extra - max(len(claimed) - 1, 0))
@@ -131,14 +147,14 @@ class Batches:
         is written within ``BATCH_SECONDS`` of the start)."""
         if lease.ahead and not lease.must_begin:  # must_begin: begun before the start already
             with self._lock:
-                self._begun.append(lease)
+                self._begun[id(lease)] = lease
                 self._watch_later(BATCH_SECONDS / 2)
 
     def ended(self, lease: Lease) -> None:
         """The delivery of ``lease`` is over: its settle (or ack, waiting here) ends the claim."""
         if self._begun:
             with self._lock:
-                self._begun = [other for other in self._begun if other is not lease]
+                self._begun.pop(id(lease), None)
 
     def timed(self, seconds: float) -> None:
         """One job took ``seconds``: the size of the next batches follows."""
@@ -150,10 +166,22 @@ class Batches:
         lost one is said to be lost, not completed."""
         if lease.result is not NO_RESULT:  # its value is written with its own ack
             return self.backend.ack(lease)
-        if (lease.expires_at - timezone.now()).total_seconds() < self.lease_seconds / 2:
+        if lease.seconds_left() < self.lease_seconds / 2:
             return self.backend.ack(lease)
         with self._lock:
             self._acks.append(lease)
+
+    def requeue_later(self, lease: Lease, verdict: Verdict) -> bool:
+        """The pipeline's requeue of a failed run: written with the next claim or by the
+        heartbeat thread, as an ack is, then counted and recorded (``requeued``). ``False``, to
+        be written now, for a lease past half its time (as :meth:`ack_later` decides)."""
+        if lease.seconds_left() < self.lease_seconds / 2:
+            return False
+        requeue = Requeue(lease, time.time() + max(verdict.delay, 0.0), verdict.error or "", verdict.count_run)
+        with self._lock:
+            self._requeues.append((requeue, verdict))
+            self._watch_later()
+        return True
 
     def finish(self) -> None:
         """The run ends: write the waiting acks and hand back every job held ahead."""
@@ -170,14 +198,27 @@ class Batches:
         the jobs are left to the reaper (they will run again). Never raises."""
         with self._lock:
             acks, self._acks = self._acks, []
-            acked = {id(lease) for lease in acks}  # an ack ends the claim too: once per row
-            begun, self._begun = [lease for lease in self._begun if id(lease) not in acked], []
-        if not acks and not begun:
+            requeues, self._requeues = self._requeues, []
+            # An ack or a requeue ends the claim too: once per row.
+            settled = {id(lease) for lease in acks} | {id(requeue.lease) for requeue, _ in requeues}
+            begun = [lease for key, lease in self._begun.items() if key not in settled]
+            self._begun = {}
+        if not acks and not begun and not requeues:
             return
         try:
-            self._count_lost(self.settle(lambda leases: self.backend.ack_many(leases, begun), acks))
+            lost, done = self.settle(
+                lambda leases: self.backend.settle_many(leases, begun, [requeue for requeue, _ in requeues]), acks
+            )
         except Exception:
-            logger.exception("could not write the acks of %d completed job(s); they will run again", len(acks))
+            logger.exception(
+                "could not write the acks of %d completed job(s) and the requeues of %d failed one(s); "
+                "they will run again",
+                len(acks),
+                len(requeues),
+            )
+            return
+        self._count_lost(lost)
+        self._written(requeues, done)
 
     def hand_back(self) -> None:
         """Jobs held ahead go straight back, not counted as runs, with their tickets (one asked
@@ -230,7 +271,7 @@ class Batches:
             self.hand_back()
         with self._lock:
             self._watch_due = None
-            if self._ahead or self._acks or self._begun:
+            if self._ahead or self._acks or self._begun or self._requeues:
                 self._watch_later()
 
     def _watch_later(self, delay: float = BATCH_SECONDS) -> None:
@@ -243,21 +284,32 @@ class Batches:
 
     # -- helpers --
 
-    def _take_acks(self) -> list[Lease]:
-        with self._lock:
-            acks, self._acks = self._acks, []
-        return acks
-
-    def _put_back(self, acks: list[Lease]) -> None:
-        if acks:
+    def _put_back(self, acks: list[Lease], requeues: list[tuple[Requeue, Verdict]]) -> None:
+        if acks or requeues:
             with self._lock:
                 self._acks[:0] = acks
+                self._requeues[:0] = requeues
 
-    def _count_lost(self, lost: list[Lease]) -> None:
+    def _written(self, requeues: list[tuple[Requeue, Verdict]], done: list[Requeued]) -> None:
+        """What became of requeues a batch wrote: counted and recorded, lost, or refused."""
+        requeued = []
+        for (requeue, verdict), outcome in zip(requeues, done, strict=True):
+            lease = requeue.lease
+            if outcome is True:
+                requeued.append((lease, verdict))
+            elif outcome is False:
+                self._count_lost([lease], "requeue")
+            else:
+                self.refused(lease, verdict, outcome)
+        if requeued:
+            self.requeued(requeued)
+
+    def _count_lost(self, lost: list[Lease], what: str = "ack") -> None:
         for lease in lost:
             self.metrics.increment("jobs_lease_lost", queue=lease.queue)
             logger.warning(
-                "job %s: lease lost before its ack was written (reaped; it may run again)",
+                "job %s: lease lost before its %s was written (reaped; it may run again)",
                 lease.token,
+                what,
                 extra=lease_fields(lease, outcome="lost"),
             )

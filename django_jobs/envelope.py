@@ -183,13 +183,15 @@ class Envelope:
         return _WIRE.encode(data).encode()
 
     @classmethod
-    def from_bytes(cls, raw: bytes | str) -> Envelope:
+    def from_bytes(cls, raw: bytes | str, limit: int | None = None) -> Envelope:
         """Decode bytes from a broker. Raises :class:`InvalidPayload` on anything malformed.
 
-        The size cap is checked before parsing; duplicate keys are refused so that two
-        parsers can never disagree about what a signed message says.
+        The size cap (``limit``, else ``MAX_MESSAGE_BYTES``: a batch reads it once) is checked
+        before parsing; duplicate keys are refused so that two parsers can never disagree about
+        what a signed message says.
         """
-        limit = conf.get("MAX_MESSAGE_BYTES")
+        if limit is None:
+            limit = conf.get("MAX_MESSAGE_BYTES")
         if isinstance(raw, str):  # a text body (Service Bus): the cap is on its UTF-8 bytes
             if len(raw) > limit or len(raw.encode("utf-8", "surrogatepass")) > limit:
                 raise InvalidPayload(f"message of over {limit} bytes exceeds the cap")

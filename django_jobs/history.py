@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 from datetime import datetime
+from typing import Any, TypedDict, Unpack
 
 from django.db import connections, router
 from django.utils import timezone
@@ -40,42 +41,59 @@ def error_class(exc: BaseException) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-def record(
-    job_id: str,
-    attempt: int,
-    outcome: str,
-    *,
-    started_at: datetime | None = None,
-    error: str = "",
-    error_class: str = "",
-    worker: str | None = None,
-    using: str | None = None,
-) -> None:
+class Details(TypedDict, total=False):
+    """What an attempt's row may say besides its job, number and outcome."""
+
+    started_at: datetime | None
+    error: str
+    error_class: str
+    worker: str | None  # who ran it (``host:pid`` of this process when not given)
+
+
+def record(job_id: str, attempt: int, outcome: str, *, using: str | None = None, **details: Unpack[Details]) -> None:
     """Keep one finished attempt of ``job_id`` (``outcome``: an :class:`AttemptOutcome`) and
     forget the ones beyond ``HISTORY_LIMIT``."""
+    record_many([attempt_row(job_id, attempt, outcome, **details)], using)
+
+
+def attempt_row(job_id: str, attempt: int, outcome: str, **details: Unpack[Details]) -> dict[str, Any]:
+    """One finished attempt, as :func:`record_many` writes it (finished now)."""
+    worker = details.get("worker")
+    return {
+        "job_id": job_id,
+        "attempt": attempt,
+        "outcome": outcome,
+        "worker_id": worker_id() if worker is None else worker,
+        "started_at": details.get("started_at"),
+        "finished_at": timezone.now(),
+        "error_class": details.get("error_class", "")[:255],
+        "error": details.get("error", ""),
+    }
+
+
+def record_many(attempts: list[dict[str, Any]], using: str | None = None) -> None:
+    """Keep finished attempts (:func:`attempt_row`), in one statement, and forget the ones
+    beyond ``HISTORY_LIMIT`` of their jobs."""
+    if not attempts:
+        return
     try:
         limit = int(conf.get("HISTORY_LIMIT"))
         if limit <= 0:
             return
         db = using or router.db_for_write(JobAttempt)
-        values = {
-            "job_id": job_id,
-            "attempt": attempt,
-            "outcome": outcome,
-            "worker_id": worker_id() if worker is None else worker,
-            "started_at": started_at,
-            "finished_at": timezone.now(),
-            "error_class": error_class[:255],
-            "error": error,
-        }
         # A record of what happened, not queue state: on PostgreSQL it commits without waiting
         # for the disk (a database crash may lose its last moments, never a job).
-        rows.insert(connections[db], JobAttempt, values, async_commit=True)
-        if attempt > limit:  # rare: a short history costs no extra statement
-            JobAttempt.objects.using(db).filter(job_id=job_id, attempt__lte=attempt - limit).delete()
+        if len(attempts) == 1:
+            rows.insert(connections[db], JobAttempt, attempts[0], async_commit=True)
+        else:
+            rows.insert_many(connections[db], JobAttempt, attempts, async_commit=True)
+        for row in attempts:
+            if row["attempt"] > limit:  # rare: a short history costs no extra statement
+                JobAttempt.objects.using(db).filter(job_id=row["job_id"], attempt__lte=row["attempt"] - limit).delete()
     except Exception:
-        get_collector().increment("jobs_history_errors")
-        logger.exception("could not record attempt %d of job %s in its history", attempt, job_id)
+        get_collector().increment("jobs_history_errors", len(attempts))
+        which = ", ".join(f"attempt {row['attempt']} of job {row['job_id']}" for row in attempts)
+        logger.exception("could not record %s in its history", which)
 
 
 def trim(job_id: str, using: str | None = None) -> None:

@@ -51,11 +51,22 @@ def uuid7_hex() -> str:
 def time_of(job_id: str) -> datetime | None:
     """When the job ``job_id`` was made, from its id (its dispatch, to the millisecond); ``None``
     for an id that is not a UUIDv7 (jobs sent by earlier versions, ids chosen by hand)."""
+    seconds = seconds_of(job_id)
+    if seconds is None:
+        return None
+    try:
+        return datetime.fromtimestamp(seconds, tz=UTC)
+    except (ValueError, OverflowError, OSError):
+        return None
+
+
+def seconds_of(job_id: str) -> float | None:
+    """:func:`time_of` as epoch seconds (what the worker's wait metric needs, without a datetime)."""
     if len(job_id) != 32 or job_id[12] != "7" or job_id[16] not in "89ab":
         return None
     try:
-        return datetime.fromtimestamp(int(job_id[:12], 16) / 1000, tz=UTC)
-    except (ValueError, OverflowError, OSError):
+        return int(job_id[:12], 16) / 1000
+    except ValueError:
         return None
 
 

@@ -48,7 +48,8 @@ class MetricsCollector(Protocol):
 
 
 def _key(name: str, labels: dict[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
-    return name, tuple(sorted(labels.items()))
+    items = tuple(labels.items())
+    return name, items if len(items) < 2 else tuple(sorted(items))
 
 
 class InMemoryMetricsCollector:

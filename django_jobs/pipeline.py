@@ -19,6 +19,7 @@ What no single delivery may do, whatever it contains:
 from __future__ import annotations
 
 import inspect
+import linecache
 import logging
 import os
 import sys
@@ -26,7 +27,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from enum import StrEnum
 from typing import Any, ParamSpec, TypeVar
 
@@ -50,7 +51,7 @@ from .exceptions import (
 )
 from .heartbeat import Heartbeat
 from .idempotency import Claim, IdempotencyGuard
-from .ids import time_of
+from .ids import seconds_of
 from .limits import Limit, describe, limits_for
 from .locks import CacheLock
 from .logfields import lease_fields, log_fields
@@ -140,9 +141,10 @@ class WorkerResult:
         return Outcome(self.status).label
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Verdict:
-    """What to tell the backend about a delivery: the outcome and what goes with it."""
+    """What to tell the backend about a delivery: the outcome and what goes with it. Never
+    changed once made (not frozen: a frozen dataclass costs each delivery its field checks)."""
 
     outcome: Outcome
     error: str | None = None
@@ -197,13 +199,53 @@ def format_error(exc: BaseException) -> str:
     Never raises: an exception whose ``__str__`` fails is still described.
     """
     try:
-        message = str(exc)
+        message, plain = str(exc), True
     except Exception as broken:  # noqa: BLE001 - describing the error must not become one
-        message = f"<unprintable {type(exc).__name__}: str() raised {type(broken).__name__}>"
-    text = f"{type(exc).__name__}: {message}\n" + "".join(
-        _plain(traceback.TracebackException.from_exception(exc)).format()
-    )
+        message, plain = f"<unprintable {type(exc).__name__}: str() raised {type(broken).__name__}>", False
+    trace = _lone_traceback(exc, message) if plain else None
+    if trace is None:
+        trace = "".join(_plain(traceback.TracebackException.from_exception(exc)).format())
+    text = f"{type(exc).__name__}: {message}\n" + trace
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 20] + "\n... (truncated)"
+
+
+# Exceptions whose last line Python adds to (a "Did you mean" hint, a syntax error's place).
+_ANNOTATED = (AttributeError, ImportError, NameError, SyntaxError)
+
+
+def _lone_traceback(exc: BaseException, message: str) -> str | None:
+    """What ``_plain(TracebackException(exc)).format()`` gives for the common failure, read from
+    the frames without ``traceback``'s work per frame (positions, a summary object): one
+    exception, no chain, group or notes, no repeated frame. ``None`` for any other (``format_error``
+    then asks ``traceback``)."""
+    if (
+        exc.__cause__ is not None
+        or (exc.__context__ is not None and not exc.__suppress_context__)
+        or isinstance(exc, (BaseExceptionGroup, *_ANNOTATED))
+        or getattr(exc, "__notes__", None) is not None
+        or hasattr(sys, "tracebacklimit")
+    ):
+        return None
+    lines, last, repeats = ["Traceback (most recent call last):\n"], None, 0
+    tb = exc.__traceback__
+    while tb is not None:
+        code, lineno = tb.tb_frame.f_code, tb.tb_lineno
+        where = (code.co_filename, lineno, code.co_name)
+        repeats = repeats + 1 if where == last else 0
+        if repeats >= 3 or lineno is None:  # traceback folds a repeated frame; a frame without a line
+            return None
+        last = where
+        lines.append(f'  File "{code.co_filename}", line {lineno}, in {code.co_name}\n')
+        source = linecache.getline(code.co_filename, lineno).strip()
+        if source:
+            lines.append(f"    {source}\n")
+        tb = tb.tb_next
+    kind = type(exc)
+    name = (
+        kind.__qualname__ if kind.__module__ in ("__main__", "builtins") else f"{kind.__module__}.{kind.__qualname__}"
+    )
+    lines.append(f"{name}: {message}\n" if message else f"{name}\n")
+    return "".join(lines)
 
 
 class _NoCarets(traceback.StackSummary):
@@ -280,6 +322,9 @@ class DeliveryPipeline:
         self.keep_alive: list[Callable[[], None]] = []
         # Told of a lease just before its handler is called (the run loop records the start).
         self.on_start: Callable[[Lease], None] | None = None
+        # Takes a failed run's requeue to write with its batch (``True``), or leaves it to be
+        # written now (``False``); set by the run loop where the backend batches requeues.
+        self.requeue_later: Callable[[Lease, Verdict], bool] | None = None
         # The worker is stopping at once (QueueWorker.interrupt): a run does not begin, and one
         # that ends with an error is handed back without counting it.
         self.interrupted = False
@@ -330,7 +375,7 @@ class DeliveryPipeline:
             handler = registry.resolve(env.handler, lease.queue)
         except HandlerNotAllowed as exc:
             return None, _rejection(exc, "jobs_rejected_handler")
-        return Delivery(lease, env, handler, keep_alive=list(self.keep_alive)), Verdict(Outcome.ACKED)
+        return Delivery(lease, env, handler, keep_alive=list(self.keep_alive)), _ADMITTED
 
     def _guarded_run(self, d: Delivery) -> Verdict:
         held = self._take_guards(d)
@@ -438,7 +483,7 @@ class DeliveryPipeline:
             return False
         if lease.must_begin:  # claimed ahead after a lost claim: its start is recorded first
             renew = self.backend.begin
-        elif (lease.expires_at - timezone.now()).total_seconds() > self.lease_seconds / 2:
+        elif lease.seconds_left() > self.lease_seconds / 2:
             return True
         else:
             renew = self.backend.extend
@@ -453,9 +498,9 @@ class DeliveryPipeline:
     def _run(self, d: Delivery) -> Verdict:
         env, queue = d.env, d.lease.queue
         timeout = env.timeout if env.timeout is not None else conf.get("DEFAULT_TIMEOUT")
-        ready_since = env.available_at or time_of(env.id)  # due, or else sent
+        ready_since = env.available_at.timestamp() if env.available_at else seconds_of(env.id)  # due, or sent
         if ready_since is not None:
-            self.metrics.observe("jobs_wait_seconds", _since(ready_since), queue=queue)
+            self.metrics.observe("jobs_wait_seconds", max(time.time() - ready_since, 0.0), queue=queue)
         start = time.monotonic()
         deadline = start + timeout if timeout else None
         # Published before the check: an abort the heartbeat passes on from here reaches the run.
@@ -620,7 +665,8 @@ class DeliveryPipeline:
         logger.critical(
             "job %s is stuck past its timeout; settling it as failed", d.env.id, extra=lease_fields(d.lease, d.attempt)
         )
-        self.settle(d.lease, self._failed(d, exc, seconds=0.0), retries=())
+        # Now, not with a batch: the process ends next, and its requeue would never be written.
+        self.settle(d.lease, self._failed(d, exc, seconds=0.0), retries=(), batched=False)
         self._release_limits(d)
 
     # -- settling --
@@ -632,8 +678,10 @@ class DeliveryPipeline:
         *,
         on_success: list[Callable[[], None]] | None = None,
         retries: tuple[float, ...] = SETTLE_RETRY_PAUSES,
+        batched: bool = True,
     ) -> WorkerResult:
-        """Tell the backend, count it, and build the result. ``LeaseLost`` -> ``lease-lost``."""
+        """Tell the backend, count it, and build the result. ``LeaseLost`` -> ``lease-lost``.
+        ``batched``: a failed run's requeue may wait for its batch (:attr:`requeue_later`)."""
         outcome, env, queue = verdict.outcome, lease.envelope, lease.queue
         if outcome is Outcome.REJECTED or env is None:
             job_id, attempt = lease.token, None
@@ -644,11 +692,11 @@ class DeliveryPipeline:
         else:
             try:
                 try:
-                    self._tell_backend(lease, verdict, on_success or (), retries)
+                    now = self._tell_backend(lease, verdict, on_success or (), retries, batched)
                 except AbortRequested as asked:  # a requeue refused: the job was asked to abort
                     verdict = _instead_of_requeue(verdict, asked.requested_by)
                     outcome = verdict.outcome
-                    self._tell_backend(lease, verdict, (), retries)
+                    now = self._tell_backend(lease, verdict, (), retries, batched)
             except LeaseLost:
                 self.metrics.increment("jobs_lease_lost", queue=queue)
                 logger.warning(
@@ -659,8 +707,9 @@ class DeliveryPipeline:
                 )
                 outcome = Outcome.LEASE_LOST
             else:
-                self._count(lease, verdict)
-                self._recorded(lease, verdict)
+                if now:  # else counted and recorded once its batch has written it (``requeued``)
+                    self._count(lease, verdict)
+                    self._recorded(lease, verdict)
         retried = outcome is Outcome.REQUEUED and verdict.count_run
         result = WorkerResult(
             outcome,
@@ -680,8 +729,15 @@ class DeliveryPipeline:
         return result
 
     def _tell_backend(
-        self, lease: Lease, verdict: Verdict, on_success: Iterable[Callable[[], None]], retries: tuple[float, ...]
-    ) -> None:
+        self,
+        lease: Lease,
+        verdict: Verdict,
+        on_success: Iterable[Callable[[], None]],
+        retries: tuple[float, ...],
+        batched: bool,
+    ) -> bool:
+        """Settle with the backend; ``False`` when a failed run's requeue waits for its batch
+        (:attr:`requeue_later`)."""
         outcome, count_run = verdict.outcome, verdict.count_run
         if outcome is Outcome.ACKED:
             if lease.envelope is not None and lease.envelope.options.get("keep_result"):
@@ -692,6 +748,8 @@ class DeliveryPipeline:
         elif outcome is Outcome.SKIPPED_IDEMPOTENT:
             self.retrying(self.backend.ack, retries, lease, count_run=False)
         elif outcome is Outcome.REQUEUED:
+            if count_run and batched and self.requeue_later is not None and self.requeue_later(lease, verdict):
+                return False
             self.retrying(
                 self.backend.nack, retries, lease, verdict.delay, error=verdict.error or "", count_run=count_run
             )
@@ -699,6 +757,24 @@ class DeliveryPipeline:
             self.retrying(self.backend.cancel, retries, lease, verdict.error or "", count_run=count_run)
         else:  # DEAD_LETTERED or REJECTED
             self.retrying(self.backend.abandon, retries, lease, verdict.error or "", count_run=count_run)
+        return True
+
+    def requeued(self, done: list[tuple[Lease, Verdict]]) -> None:
+        """Failed runs whose requeues a batch wrote (:attr:`requeue_later`): counted now, and
+        their attempts recorded in one statement."""
+        for lease, verdict in done:
+            self._count(lease, verdict)
+        rows = [
+            self._attempt(lease.envelope, AttemptOutcome.RETRYING, verdict) for lease, verdict in done if lease.envelope
+        ]
+        history.record_many(rows, using=self.backend.history_alias)
+
+    def requeue_refused(self, lease: Lease, verdict: Verdict, requested_by: str) -> None:
+        """A failed run's requeue that its batch found refused (the job was asked to abort while
+        it ran): settled cancelled instead, its error kept. Never raises (the reaper settles a
+        cancel that could not be made)."""
+        cancelled = _instead_of_requeue(verdict, requested_by)
+        _quietly(lambda: self.settle(lease, cancelled), "settle as cancelled a failed run asked to abort")
 
     def retrying(self, action: Callable[_P, _R], pauses: tuple[float, ...], *args: _P.args, **kwargs: _P.kwargs) -> _R:
         """Settle, retrying a transient backend error a few times within the lease."""
@@ -728,31 +804,36 @@ class DeliveryPipeline:
         if outcome is Outcome.ACKED:
             if env.options.get("keep_result"):
                 _quietly(lambda: self.backend.keep_result(lease, verdict.value), "keep the job's result")
-                self._history(env, attempt, AttemptOutcome.COMPLETED, verdict)
+                self._history(env, AttemptOutcome.COMPLETED, verdict)
             emit(job_succeeded, verdict.handler, envelope=env, attempt=attempt,
                  result=verdict.value, seconds=verdict.seconds)  # fmt: skip
         elif outcome is Outcome.REQUEUED and verdict.count_run:
-            self._history(env, attempt, AttemptOutcome.RETRYING, verdict)
+            self._history(env, AttemptOutcome.RETRYING, verdict)
         elif outcome is Outcome.CANCELLED:
-            self._history(env, attempt, AttemptOutcome.CANCELLED, verdict, worker=verdict.requested_by)
+            self._history(env, AttemptOutcome.CANCELLED, verdict, worker=verdict.requested_by)
         elif outcome is Outcome.DEAD_LETTERED:
             if verdict.count_run:
-                self._history(env, attempt, AttemptOutcome.FAILED, verdict)
+                self._history(env, AttemptOutcome.FAILED, verdict)
             runs = env.attempts + int(verdict.count_run)
             emit(job_dead_lettered, verdict.handler or env.handler, envelope=env, error=verdict.error or "",
                  attempts=runs, exception=verdict.exception)  # fmt: skip
 
-    def _history(self, env: Envelope, attempt: int, outcome: str, verdict: Verdict, worker: str | None = None) -> None:
+    def _history(self, env: Envelope, outcome: str, verdict: Verdict, worker: str | None = None) -> None:
+        history.record_many([self._attempt(env, outcome, verdict, worker)], using=self.backend.history_alias)
+
+    @staticmethod
+    def _attempt(env: Envelope, outcome: str, verdict: Verdict, worker: str | None = None) -> dict[str, Any]:
+        """The attempt-history row of the run of ``env`` that ``verdict`` settled."""
         exc = verdict.exception
-        history.record(
+        error_class = history.error_class(exc) if exc is not None else ""
+        return history.attempt_row(
             env.id,
-            attempt,
+            env.attempts + 1,
             outcome,
             started_at=verdict.started_at,
             error=verdict.error or "",
-            error_class=history.error_class(exc) if exc is not None else "",
+            error_class=error_class,
             worker=worker,
-            using=self.backend.history_alias,
         )
 
     def _count(self, lease: Lease, verdict: Verdict) -> None:
@@ -799,7 +880,7 @@ def _call(d: Delivery, context: JobContext, limit: TimeLimit) -> tuple[BaseExcep
     try:
         with limit:
             value = d.handler.handle(context)
-            if inspect.isawaitable(value):  # an async job: it runs now, to its end
+            if value is not None and inspect.isawaitable(value):  # an async job: it runs now, to its end
                 value = coroutines.run(value, limit)
     except BaseException as exc:  # noqa: BLE001 - see above
         _exit_if_forked(d, exc)
@@ -846,10 +927,13 @@ _LEVELS = {
 def _log_result(lease: Lease, result: WorkerResult) -> None:
     """One record per settled delivery, in the words of :attr:`WorkerResult.label`, with the
     :data:`LOG_FIELDS` as attributes (a failure also carries ``last_error``, the whole error)."""
-    label = result.label
-    level = logging.WARNING if label == INTERRUPTED_LABEL else _LEVELS.get(result.status)
-    if level is None or not logger.isEnabledFor(level):
+    status = result.status
+    level = _LEVELS.get(status)
+    if status is Outcome.REQUEUED and result.label == INTERRUPTED_LABEL:
+        level = logging.WARNING
+    if level is None or not logger.isEnabledFor(level):  # before any text is made: most are dropped
         return
+    label = result.label
     env = lease.envelope
     extra = log_fields(result.job_id, result.queue, result.handler, result.attempt, label)
     first_line = (result.error or "").partition("\n")[0]
@@ -921,6 +1005,10 @@ def _instead_of_requeue(verdict: Verdict, who: str) -> Verdict:
     return replace(instead, seconds=verdict.seconds, started_at=verdict.started_at)
 
 
+# What ``_admit`` says of a trusted delivery (the run decides its real verdict).
+_ADMITTED = Verdict(Outcome.ACKED)
+
+
 def _rejection(exc: JobsError, counter: str) -> Verdict:
     text = f"rejected: {type(exc).__name__}: {exc}"
     return Verdict(Outcome.REJECTED, text, count_run=False, counter=counter, exception=exc)
@@ -931,8 +1019,3 @@ def _quietly(action: Callable[[], Any], what: str) -> None:
         action()
     except Exception:
         logger.warning("could not %s", what, exc_info=True)
-
-
-def _since(moment: datetime) -> float:
-    elapsed: timedelta = timezone.now() - moment
-    return max(elapsed.total_seconds(), 0.0)

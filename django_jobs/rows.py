@@ -55,12 +55,15 @@ def insert(connection: Any, model: type[models.Model], values: dict[str, Any], *
         cursor.execute(sql, [_prepare(f, values[f.attname], connection) for f in fields])
 
 
-def insert_many(connection: Any, model: type[models.Model], values: Sequence[dict[str, Any]]) -> None:
+def insert_many(
+    connection: Any, model: type[models.Model], values: Sequence[dict[str, Any]], *, async_commit: bool = False
+) -> None:
     """INSERT rows of ``model``, each from a dict as :func:`insert` takes it (all with the same
     attribute names), with a bounded number of parameters per statement whatever their number:
     on PostgreSQL :data:`ROWS_PER_STATEMENT` rows at a time, each column one array (``UNNEST``)
     or, when every row has the same value, that value once; elsewhere the one-row INSERT run
-    for each (the driver batches it: MySQL's into multi-row INSERTs, SQLite's in one call)."""
+    for each (the driver batches it: MySQL's into multi-row INSERTs, SQLite's in one call).
+    ``async_commit``: as :func:`insert` takes it."""
     if not values:
         return
     fields = [f for f in model._meta.concrete_fields if f.attname in values[0]]
@@ -72,8 +75,10 @@ def insert_many(connection: Any, model: type[models.Model], values: Sequence[dic
             rows = [[_prepare(f, one[f.attname], connection) for f in fields] for one in values]
             cursor.executemany(f"{head} VALUES {row}", rows)
             return
+        tail = ASYNC_COMMIT if async_commit and commits_async(connection) else ""
         for batch in chunked(values, ROWS_PER_STATEMENT):
-            cursor.execute(*_unnest(head, fields, batch, connection))
+            sql, params = _unnest(head, fields, batch, connection)
+            cursor.execute(sql + tail, params)
 
 
 def _unnest(head: str, fields: list[Any], batch: Sequence[dict[str, Any]], connection: Any) -> tuple[str, list[Any]]:

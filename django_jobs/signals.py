@@ -58,7 +58,7 @@ _NAMES = {
 def emit(signal: Signal, sender: Any, **kwargs: Any) -> list[Any]:
     """Send ``signal`` to every receiver; return their answers. A receiver's exception is
     logged and counted, and left out of the answers."""
-    if not signal.has_listeners(sender):
+    if not signal.receivers or not signal.has_listeners(sender):  # none connected: nothing to look up
         return []
     answers = []
     for receiver, answer in signal.send_robust(sender, **kwargs):

@@ -140,6 +140,8 @@ class QueueWorker:
             lease_seconds=self.lease_seconds,
             settle=lambda action, leases: self.pipeline.retrying(action, SETTLE_RETRY_PAUSES, leases),
             cancel=self.pipeline.cancel_unstarted,
+            requeued=self.pipeline.requeued,
+            refused=self.pipeline.requeue_refused,
         )
         self.pipeline.keep_alive.append(self.batches.extend)
         # Told of each lease before its delivery (``True``) and after it (``False``): a pool's
@@ -243,6 +245,8 @@ class QueueWorker:
         if self.batching:
             self.pipeline.ack = self.batches.ack_later
             self.pipeline.on_start = self.batches.started
+            if self.backend.batches_requeues:
+                self.pipeline.requeue_later = self.batches.requeue_later
         elif self.backend.pipelines_ack_fetch:
             self.pipeline.ack = lambda lease: self._ack_and_lease_next(lease, limits)
         self.heartbeat.start()
@@ -282,6 +286,7 @@ class QueueWorker:
             restore_alarm()
             self.pipeline.ack = self.backend.ack
             self.pipeline.on_start = None
+            self.pipeline.requeue_later = None
             self.pipeline.on_backend_error = None
             self.batches.finish()
             self.batches.tickets = None

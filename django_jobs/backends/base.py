@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, NamedTuple, Protocol
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.utils import timezone
 
 from .. import conf
 from ..envelope import Envelope
 from ..exceptions import (
     AbortNotSupported,
+    AbortRequested,
     BackendUnavailable,
     DependenciesNotSupported,
     InvalidPayload,
@@ -53,6 +56,28 @@ class Lease:
     # it): its start is recorded with ``begin`` before it runs, so a job that kills its worker
     # is counted from its second crash on.
     must_begin: bool = False
+
+    def seconds_left(self) -> float:
+        """Seconds until the lease expires (negative once it has). An aware ``expires_at`` is
+        compared with the UTC clock, a naive one (``USE_TZ = False``) with Django's."""
+        expires = self.expires_at
+        now = datetime.now(UTC) if expires.tzinfo is not None else timezone.now()
+        return (expires - now).total_seconds()
+
+
+class Requeue(NamedTuple):
+    """A failed run's requeue, written with a batch (:meth:`QueueBackend.settle_many`): its
+    lease, when it is due again (``time.time()`` seconds), its error, and whether the run counts."""
+
+    lease: Lease
+    due: float
+    error: str
+    count_run: bool = True
+
+
+# What became of a :class:`Requeue`: ``True`` requeued, ``False`` its lease was lost (left
+# alone), or who asked to abort the job (not requeued, the lease still held: settle it cancelled).
+Requeued = bool | str
 
 
 # What :meth:`QueueBackend.request_abort` did (or an :class:`AbortAsked`).
@@ -113,6 +138,8 @@ class QueueBackend(ABC):
     # (a lost lease of one that never started is not counted as a run), and ack_many() settles
     # many successes in one round trip.
     supports_prefetch: bool = False
+    # settle_many() writes the requeues of failed runs with a batch's acks in one round trip.
+    batches_requeues: bool = False
     # A failed run can be requeued for another attempt (the sync backend runs each job once).
     supports_retry: bool = True
     # Messages survive a restart of the backend.
@@ -332,6 +359,34 @@ class QueueBackend(ABC):
         ones. Backends with ``supports_prefetch`` do both in one round trip."""
         return self.ack_many(leases), self.fetch_many(queue, limit)
 
+    def settle_many(
+        self, acks: list[Lease], begun: Sequence[Lease] = (), requeues: Sequence[Requeue] = ()
+    ) -> tuple[list[Lease], list[Requeued]]:
+        """``ack_many(acks, begun)`` and the ``requeues`` of failed runs: the leases found lost
+        among ``acks``, and what became of each requeue. Backends with ``batches_requeues`` do
+        it in one round trip; here, ``ack_many`` then one :meth:`nack` each."""
+        return self.ack_many(acks, begun), [self._requeue(one) for one in requeues]
+
+    def settle_many_and_fetch(
+        self, acks: list[Lease], requeues: Sequence[Requeue], queue: str, limit: int
+    ) -> tuple[list[Lease], list[Requeued], list[Lease]]:
+        """:meth:`settle_many` (no ``begun``), then ``fetch_many(queue, limit)``: in one round
+        trip with ``batches_requeues``."""
+        done = [self._requeue(one) for one in requeues]
+        lost, claimed = self.ack_many_and_fetch(acks, queue, limit)
+        return lost, done, claimed
+
+    def _requeue(self, requeue: Requeue) -> Requeued:
+        """One requeue of :meth:`settle_many`, by :meth:`nack`."""
+        try:
+            delay = max(requeue.due - time.time(), 0.0)
+            self.nack(requeue.lease, delay, error=requeue.error, count_run=requeue.count_run)
+        except LeaseLost:
+            return False
+        except AbortRequested as asked:
+            return asked.requested_by
+        return True
+
     def begin(self, lease: Lease, seconds: float) -> str | None:
         """A lease claimed ahead (``must_begin``) starts its run now: record that, so its loss
         counts as a run from here on, and extend it ``seconds`` from now. Fenced: a lease that
@@ -490,10 +545,11 @@ def atomic_alias() -> str | None:
     return None
 
 
-def decode_lease_body(raw: bytes | str) -> tuple[Envelope | None, InvalidPayload | None]:
-    """Decode a broker message body for a :class:`Lease`, never raising."""
+def decode_lease_body(raw: bytes | str, limit: int | None = None) -> tuple[Envelope | None, InvalidPayload | None]:
+    """Decode a broker message body for a :class:`Lease` (``limit``: the size cap, see
+    :meth:`Envelope.from_bytes`), never raising."""
     try:
-        return Envelope.from_bytes(raw), None
+        return Envelope.from_bytes(raw, limit), None
     except InvalidPayload as exc:
         return None, exc
 

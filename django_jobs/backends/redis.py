@@ -25,6 +25,7 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from functools import cache
 from importlib.resources import files
@@ -46,7 +47,17 @@ from ..exceptions import (
 from ..ids import time_of
 from ..retry import after_lost_run
 from . import redis_limits, require
-from .base import NO_RESULT, AbortAsked, AbortRequest, Lease, LimitedBackend, LiveJob, decode_lease_body
+from .base import (
+    NO_RESULT,
+    AbortAsked,
+    AbortRequest,
+    Lease,
+    LimitedBackend,
+    LiveJob,
+    Requeue,
+    Requeued,
+    decode_lease_body,
+)
 
 redis = require("redis", "redis")
 logger = logging.getLogger("django_jobs.backends.redis")
@@ -151,6 +162,7 @@ class RedisBackend(LimitedBackend):
     supports_priority = True
     pipelines_ack_fetch = True
     supports_prefetch = True
+    batches_requeues = True
     supports_dependencies = True
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
@@ -292,7 +304,7 @@ class RedisBackend(LimitedBackend):
     def fetch(self, queue: str) -> Lease | None:
         owner, now, deadline = self._new_lease()
         job_id, body = self._run("fetch", queue, now, deadline, owner)
-        return self._leased(queue, job_id, body, owner, deadline)
+        return self._leased(queue, job_id, body, owner, _from_ms(deadline))
 
     def ack_and_fetch(self, lease: Lease, queue: str) -> Lease | None:
         if queue != lease.queue:  # one script touches one queue's keys (one cluster slot)
@@ -303,24 +315,33 @@ class RedisBackend(LimitedBackend):
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
         if reply[0] == HAS_DEPENDENTS:
             self._completed([lease])
-        return self._leased(queue, reply[1], reply[2], owner, deadline)
+        return self._leased(queue, reply[1], reply[2], owner, _from_ms(deadline))
 
     @staticmethod
     def _new_lease() -> tuple[str, int, int]:
         now = time.time()
         return secrets.token_hex(16), _ms(now), _ms(now + conf.get("LEASE_TIMEOUT"))
 
-    def _leased(self, queue: str, job_id: bytes | None, body: bytes | None, owner: str, deadline: int) -> Lease | None:
-        """The Lease for what a fetch script returned (``job_id`` None: empty, ``body`` = next due)."""
+    def _leased(
+        self,
+        queue: str,
+        job_id: bytes | None,
+        body: bytes | None,
+        owner: str,
+        expires_at: datetime,
+        limit: int | None = None,
+    ) -> Lease | None:
+        """The Lease for what a fetch script returned (``job_id`` None: empty, ``body`` = next
+        due); ``limit``: the size cap, read once for a batch."""
         if job_id is None:
             self._next_due[queue] = float(body) / 1000 if body is not None else 0.0
             return None
         token = job_id.decode()
-        lease = Lease(token=token, owner_token=owner, expires_at=_from_ms(deadline), queue=queue)
+        lease = Lease(token=token, owner_token=owner, expires_at=expires_at, queue=queue)
         if body is None:
             lease.error = InvalidPayload(f"message {token!r} has no body")
         else:
-            lease.envelope, lease.error = decode_lease_body(body)
+            lease.envelope, lease.error = decode_lease_body(body, limit)
         return lease
 
     def fetch_many(self, queue: str, limit: int) -> list[Lease]:
@@ -331,31 +352,52 @@ class RedisBackend(LimitedBackend):
         return self._claimed(queue, reply, owner, deadline)
 
     def ack_many(self, leases: list[Lease], begun: Sequence[Lease] = ()) -> list[Lease]:
-        by_queue: dict[str, tuple[list[Lease], list[Lease]]] = {}
-        for index, batch in enumerate((leases, begun)):
-            for lease in batch:
-                by_queue.setdefault(lease.queue, ([], []))[index].append(lease)
+        return self.settle_many(leases, begun)[0]
+
+    def settle_many(
+        self, acks: list[Lease], begun: Sequence[Lease] = (), requeues: Sequence[Requeue] = ()
+    ) -> tuple[list[Lease], list[Requeued]]:
+        by_queue: dict[str, tuple[list[Lease], list[Lease], list[Requeue]]] = {}
+        for lease in acks:
+            by_queue.setdefault(lease.queue, ([], [], []))[0].append(lease)
+        for lease in begun:
+            by_queue.setdefault(lease.queue, ([], [], []))[1].append(lease)
+        for requeue in requeues:
+            by_queue.setdefault(requeue.lease.queue, ([], [], []))[2].append(requeue)
         lost: list[Lease] = []
-        for queue, (group, started) in by_queue.items():  # one script per queue (one cluster slot)
-            flags = self._run("ack_many", queue, _acks(group), _acks(started))
+        done: dict[int, Requeued] = {}
+        now = _ms()
+        for queue, (group, started, again) in by_queue.items():  # one script per queue (one cluster slot)
+            flags, replies = self._run("ack_many", queue, _acks(group), _acks(started), _requeues(again), now)
             self._completed(_parents_done(group, flags))
             lost += _lost(group, flags)
-        return lost
+            done.update(zip(map(id, again), map(_requeued, replies), strict=True))
+        return lost, [done[id(requeue)] for requeue in requeues]
 
     def ack_many_and_fetch(self, leases: list[Lease], queue: str, limit: int) -> tuple[list[Lease], list[Lease]]:
-        if limit < 1 or any(lease.queue != queue for lease in leases):
-            return super().ack_many_and_fetch(leases, queue, limit)
+        lost, _, claimed = self.settle_many_and_fetch(leases, (), queue, limit)
+        return lost, claimed
+
+    def settle_many_and_fetch(
+        self, acks: list[Lease], requeues: Sequence[Requeue], queue: str, limit: int
+    ) -> tuple[list[Lease], list[Requeued], list[Lease]]:
+        if limit < 1 or any(lease.queue != queue for lease in acks) or any(r.lease.queue != queue for r in requeues):
+            lost, done = self.settle_many(acks, (), requeues)
+            return lost, done, self.fetch_many(queue, limit)
         owner, now, deadline = self._new_lease()
-        acked, reply = self._run("ack_many_fetch", queue, _acks(leases), now, deadline, owner, limit)
-        self._completed(_parents_done(leases, acked))
-        return _lost(leases, acked), self._claimed(queue, reply, owner, deadline)
+        acked, reply, replies = self._run(
+            "ack_many_fetch", queue, _acks(acks), now, deadline, owner, limit, _requeues(requeues)
+        )
+        self._completed(_parents_done(acks, acked))
+        return _lost(acks, acked), [_requeued(one) for one in replies], self._claimed(queue, reply, owner, deadline)
 
     def _claimed(self, queue: str, reply: list[Any], owner: str, deadline: int) -> list[Lease]:
         """The Leases of a batch claimed ahead: ``reply`` holds (id, body, must_begin) triples,
         or a single empty one (``_leased`` then records the next due time)."""
         leases = []
+        expires_at, limit = _from_ms(deadline), conf.get("MAX_MESSAGE_BYTES")  # the same for the whole batch
         for i in range(0, len(reply), 3):
-            lease = self._leased(queue, reply[i], reply[i + 1], owner, deadline)
+            lease = self._leased(queue, reply[i], reply[i + 1], owner, expires_at, limit)
             if lease is None:
                 break
             lease.ahead, lease.must_begin = True, bool(reply[i + 2])
@@ -384,12 +426,8 @@ class RedisBackend(LimitedBackend):
             super().keep_result(lease, value)
 
     def nack(self, lease: Lease, delay: float, *, error: str = "", count_run: bool = True) -> None:
-        env = lease.envelope
-        assert env is not None, "only a decoded message can be requeued"
         due = time.time() + max(delay, 0)
-        again = env.next_attempt() if count_run else env
-        again.available_at = _from_ms(_ms(due))
-        reply = self._run("nack", lease.queue, lease.token, lease.owner_token, again.to_bytes(), _ms(due), _ms(), error)
+        reply = self._run("nack", lease.queue, *_requeue_args(Requeue(lease, due, error, count_run)), _ms())
         if reply == 0:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
         if not isinstance(reply, int):  # who asked to abort it: not requeued
@@ -897,6 +935,31 @@ def _parents_done(leases: list[Lease], flags: list[int]) -> list[Lease]:
 def _acks(leases: list[Lease]) -> str:
     """The [id, owner] pairs a batch ack script fences on, as JSON."""
     return json.dumps([[lease.token, lease.owner_token] for lease in leases], ensure_ascii=False)
+
+
+def _requeue_args(requeue: Requeue) -> tuple[str, str, bytes, int, str]:
+    """What a requeue script takes of a failed run: id, owner, the body it goes back with (one
+    more run counted, due then), the due time (ms) and its error."""
+    lease = requeue.lease
+    env = lease.envelope
+    assert env is not None, "only a decoded message can be requeued"
+    again = env.next_attempt() if requeue.count_run else replace(env)
+    due = _ms(requeue.due)  # a due time already past is ready now
+    again.available_at = _from_ms(due)
+    # A lone surrogate (a file name Python escaped) would make the whole batch unsendable.
+    return lease.token, lease.owner_token, again.to_bytes(), due, requeue.error.encode(errors="replace").decode()
+
+
+def _requeues(requeues: Sequence[Requeue]) -> str:
+    """The requeues a batch script makes, as JSON: [[id, owner, body, due ms, error], ...]."""
+    return json.dumps(
+        [[*args[:2], args[2].decode(), *args[3:]] for args in map(_requeue_args, requeues)], ensure_ascii=False
+    )
+
+
+def _requeued(reply: Any) -> Requeued:
+    """A requeue script's reply: 1 requeued, 0 lost, else who asked to abort the job."""
+    return reply == 1 if isinstance(reply, int) else _text(reply)
 
 
 def _lost(leases: list[Lease], acked: list[int]) -> list[Lease]:

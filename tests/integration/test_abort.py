@@ -19,7 +19,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from django_jobs import Jobs, current_job, operations, timeouts
-from django_jobs.backends.base import AbortAsked
+from django_jobs.backends.base import AbortAsked, Requeue
 from django_jobs.exceptions import AbortNotSupported, AbortRequested, LeaseLost
 from django_jobs.heartbeat import Heartbeat
 from django_jobs.metrics import InMemoryMetricsCollector
@@ -166,6 +166,18 @@ def test_a_job_asked_to_abort_is_never_requeued_and_a_retry_clears_the_request(b
     assert operations.retry_jobs(Job.objects.using(alias(backend)).filter(pk=job_id)).retried == 1
     assert row(backend, job_id).abort_requested is None
     assert told_on_beat(backend) == []
+
+
+def test_a_requeue_written_with_a_batch_is_refused_for_a_job_asked_to_abort(backend):
+    job_id = scripted.using(backend=backend, max_retries=3).dispatch(action="ok")
+    queue = Jobs.backend(backend)
+    lease = queue.fetch("default")
+    assert Jobs.abort(job_id, "ops") == "aborting"
+
+    assert queue.settle_many([], (), [Requeue(lease, time.time(), "boom")]) == ([], ["ops"])
+    assert row(backend, job_id).status == "in_progress"  # the lease is still held, for the cancel
+    queue.cancel(lease, "Aborted by ops")
+    assert (row(backend, job_id).status, row(backend, job_id).attempts) == ("cancelled", 1)
 
 
 def test_aborting_a_finished_job_leaves_it_alone(backend):

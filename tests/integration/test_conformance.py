@@ -28,7 +28,7 @@ from django.utils import timezone
 from django_jobs import Jobs, history, operations, signing
 from django_jobs.api import JobFunction
 from django_jobs.backends import get_backend
-from django_jobs.backends.base import Lease, QueueBackend
+from django_jobs.backends.base import Lease, QueueBackend, Requeue
 from django_jobs.envelope import Envelope
 from django_jobs.exceptions import AbortNotSupported, LeaseLost
 from django_jobs.history import attempts_of
@@ -884,6 +884,40 @@ def test_ack_many_and_fetch_acks_a_batch_and_claims_the_next(queue_backend, back
     if backend_case.record:
         assert [record(backend_case, queue_backend, i).status for i in ids] == ["completed"] * 2 + ["in_progress"] * 2
         assert record(backend_case, queue_backend, ids[0]).attempts == 1
+
+
+def test_settle_many_requeues_failed_runs_with_the_acks(queue_backend, backend_case):
+    """``settle_many(acks, begun, requeues)``: a requeued run comes back with one more attempt
+    and still verifies; a requeue whose lease is not ours is fenced off (``False``)."""
+    require_prefetch(queue_backend)
+    _, failed, _ = (enqueue(queue_backend, backend_case, max_retries=2) for _ in range(3))
+    batch = queue_backend.fetch_many("default", 3)
+    stale = replace(batch[2], owner_token="0" * 32)
+    now = time.time()
+
+    requeues = [Requeue(batch[1], now, "RuntimeError: again"), Requeue(stale, now, "RuntimeError: not ours")]
+    assert queue_backend.settle_many([batch[0]], (), requeues) == ([], [True, False])
+
+    [again] = queue_backend.fetch_many("default", 5)
+    assert (again.envelope.id, again.envelope.attempts) == (failed.id, 1)
+    signing.verify(again.envelope)
+    assert queue_backend.size("default") == 2  # the requeued run and the one still leased
+    if backend_case.record:
+        row = record(backend_case, queue_backend, failed.id)
+        assert (row.attempts, row.last_error) == (1, "RuntimeError: again")
+
+
+def test_settle_many_and_fetch_may_claim_the_run_it_requeued(queue_backend, backend_case):
+    require_prefetch(queue_backend)
+    env = enqueue(queue_backend, backend_case, max_retries=1)
+    [first] = queue_backend.fetch_many("default", 1)
+
+    lost, done, claimed = queue_backend.settle_many_and_fetch(
+        [], [Requeue(first, time.time(), "RuntimeError: again")], "default", 5
+    )
+
+    assert (lost, done) == ([], [True])
+    assert [(lease.envelope.id, lease.envelope.attempts) for lease in claimed] == [(env.id, 1)]
 
 
 def test_ack_many_records_the_starts_of_runs_begun_so_their_loss_counts(queue_backend, backend_case):

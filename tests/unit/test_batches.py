@@ -1,7 +1,9 @@
 """When a batch writes a started run's start: the heartbeat thread's next write is due at most
 half an ack interval after the handler's start, so that the start is written within one ack
 interval (``BATCH_SECONDS``) even with the write's own time. Checked on the schedule the batch
-asks of the heartbeat (a recording stand-in), not on a clock."""
+asks of the heartbeat (a recording stand-in), not on a clock. And a failed run's requeue: held
+for the batch's write, then counted and recorded, or settled cancelled if the job was asked to
+abort."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ from typing import Any
 
 from django.utils import timezone
 
-from django_jobs.backends.base import Lease
-from django_jobs.batches import BATCH_SECONDS, Batches
+from django_jobs.backends.base import Lease, Requeue, Requeued
+from django_jobs.batches import BATCH_SECONDS, Batches, Settled
 from django_jobs.metrics import InMemoryMetricsCollector
+from django_jobs.pipeline import Outcome, Verdict
 
 
 class RecordingHeartbeat:
@@ -37,19 +40,34 @@ def lease(token: str, *, ahead: bool = True, must_begin: bool = False) -> Lease:
     )
 
 
-def batches(heartbeat: RecordingHeartbeat) -> Batches:
-    def settle(action: Callable[[list[Lease]], list[Lease]], leases: list[Lease]) -> list[Lease]:
+def batches(heartbeat: RecordingHeartbeat, backend: Any = Any, outcomes: list[Any] | None = None) -> Batches:
+    def settle(action: Callable[[list[Lease]], Settled], leases: list[Lease]) -> Settled:
         return action(leases)
 
+    seen = [] if outcomes is None else outcomes
     return Batches(
-        backend=Any,  # type: ignore[arg-type]  # never called here
+        backend=backend,
         heartbeat=heartbeat,  # type: ignore[arg-type]
         metrics=InMemoryMetricsCollector(),
         maximum=10,
         lease_seconds=60,
         settle=settle,
         cancel=lambda lease, who: None,
+        requeued=lambda done: seen.extend(("requeued", lease.token) for lease, _ in done),
+        refused=lambda lease, verdict, who: seen.append(("refused", lease.token, who)),
     )
+
+
+class SettlingBackend:
+    """Writes a batch as ``settle_many`` does: each requeue's outcome comes from ``outcomes``."""
+
+    def __init__(self, outcomes: dict[str, Requeued]) -> None:
+        self.outcomes = outcomes
+        self.calls: list[tuple[list[str], list[str]]] = []
+
+    def settle_many(self, acks: list[Lease], begun: Any, requeues: list[Requeue]) -> Settled:
+        self.calls.append(([lease.token for lease in acks], [requeue.lease.token for requeue in requeues]))
+        return [], [self.outcomes[requeue.lease.token] for requeue in requeues]
 
 
 def test_a_start_brings_the_next_write_within_half_an_ack_interval() -> None:
@@ -84,3 +102,29 @@ def test_a_run_not_claimed_ahead_or_begun_already_schedules_nothing() -> None:
     held.started(lease("alone", ahead=False))
     held.started(lease("begun", must_begin=True))
     assert heartbeat.timer is None and not held._begun
+
+
+def failed() -> Verdict:
+    return Verdict(Outcome.REQUEUED, "RuntimeError: boom", delay=0.0)
+
+
+def test_a_failed_run_is_requeued_with_the_batch_then_recorded() -> None:
+    heartbeat, outcomes = RecordingHeartbeat(), []
+    backend = SettlingBackend({"a": True, "b": False, "c": "admin"})
+    held = batches(heartbeat, backend, outcomes)
+    assert all(held.requeue_later(lease(token), failed()) for token in "abc")
+    assert heartbeat.timer is not None  # written within an ack interval
+    assert not backend.calls and not outcomes  # nothing written or recorded yet
+    held.flush()
+    assert backend.calls == [([], ["a", "b", "c"])]
+    assert outcomes == [("refused", "c", "admin"), ("requeued", "a")]  # "b" was lost: neither
+    held.flush()
+    assert len(backend.calls) == 1  # written once
+
+
+def test_a_lease_past_half_its_time_is_requeued_at_once() -> None:
+    held = batches(RecordingHeartbeat())
+    late = lease("late")
+    late.expires_at = timezone.now() + timedelta(seconds=10)
+    assert not held.requeue_later(late, failed())
+    assert not held._requeues

@@ -54,6 +54,29 @@ local function requeue(id, due, now)
   end
 end
 
+-- Requeue the leased message `id` (fenced on `owner`) with its new body, due at `due`: 1; 0
+-- when the lease is lost. A message asked to abort is not requeued: returns who asked, the
+-- lease still held (the worker settles it cancelled).
+local function requeue_held(id, owner, body, due, now, err)
+  if not owned(id, owner) then return 0 end
+  local aborted_by = redis.call('HGET', aborts_key, id)
+  if aborted_by then return aborted_by end
+  release(id)
+  redis.call('HSET', bodies_key, id, body)
+  redis.call('HSET', errors_key, id, err)
+  requeue(id, due, now)
+  return 1
+end
+
+-- requeue_held for each {id, owner, body, due_ms, error} of `requeues`: one reply each.
+local function requeue_each(requeues, now)
+  local replies = {}
+  for _, r in ipairs(requeues) do
+    table.insert(replies, requeue_held(r[1], r[2], r[3], tonumber(r[4]), now, r[5]))
+  end
+  return replies
+end
+
 -- The message is done: forget it. (Nothing requeues a message asked to abort.)
 local function forget(id)
   release(id)
