@@ -16,6 +16,8 @@ from typing import Any
 
 import greenstalk
 
+from bench.beanstalk_cost import Writes
+
 # stats-tube fields, and the names the backend's stats() gives them.
 TUBE_COUNTS = {
     "pending": "current-jobs-ready",
@@ -50,3 +52,10 @@ def job_state(client: greenstalk.Client, job_id: int) -> dict[str, Any]:
         return dict(client.stats_job(job_id))
     except greenstalk.NotFoundError:
         return {"state": "gone"}
+
+
+def count_writes(client: greenstalk.Client) -> Writes:
+    """Count the round trips of ``client`` from now on (``.writes``: it reads every reply
+    before it writes again)."""
+    writes = client._sock = Writes(client._sock)
+    return writes

@@ -4,6 +4,12 @@ A lease is a reservation: TTR is the lease timeout and the heartbeat ``touch``es
 worker's job returns to its tube natively and ``reap_expired`` has nothing to do. Such a lost
 delivery shows in the job's ``reserves`` count, which ``fetch`` adds to ``attempts``. Failures
 are ``bury``-ed (beanstalkd's dead letter) and recorded as failed ``Job`` rows.
+
+A job is reserved only when it is to run, one at a time, so every lost reservation is a lost
+run. The commands of a fetch go out together (beanstalkd answers pipelined commands in order):
+the ack of the job before, the ``reserve``, the ``stats-job`` of the job that ``peek-ready``
+showed next the time before (normally the one reserved), and a ``peek-ready`` for the next time.
+A worker's job thus costs one round trip.
 """
 
 from __future__ import annotations
@@ -27,12 +33,58 @@ from . import require
 from .base import Lease, RequeueByCopy, decode_lease_body
 
 if TYPE_CHECKING:
-    from greenstalk import Client, Job
-
-greenstalk = require("greenstalk", "beanstalk")
+    import greenstalk
+    from greenstalk import Job
+else:
+    greenstalk = require("greenstalk", "beanstalk")
 
 # beanstalkd: 0 is the most urgent of 2**32 priorities; django-jobs: higher runs sooner.
 PRIORITY_ZERO = 2**31
+
+
+class _Client(greenstalk.Client[bytes]):
+    """greenstalk's client, plus commands written together and their replies read in order
+    (greenstalk itself sends one command and waits for its reply)."""
+
+    def send(self, *commands: bytes) -> None:
+        self._sock.sendall(b"\r\n".join(commands) + b"\r\n")
+
+    def reply(self, expected: bytes) -> list[bytes] | None:
+        """The values of the next reply, ``None`` for ``NOT_FOUND`` or ``TIMED_OUT``; any other
+        error raises (and the connection is dropped: replies may be left unread)."""
+        try:
+            return greenstalk._parse_response(self._reader.readline(), expected)
+        except (greenstalk.NotFoundError, greenstalk.TimedOutError):
+            return None
+
+    def job_reply(self, expected: bytes) -> Job[bytes] | None:
+        """The job of a ``RESERVED`` or ``FOUND`` reply, body read, or ``None``."""
+        values = self.reply(expected)
+        if values is None:
+            return None
+        job_id, size = values
+        return greenstalk.Job(int(job_id), self._read_chunk(int(size)))
+
+    def counts_reply(self) -> tuple[int, int] | None:
+        """``reserves`` and ``releases`` from a ``stats-job`` reply, or ``None``."""
+        values = self.reply(b"OK")
+        if values is None:
+            return None
+        stats = self._read_chunk(int(values[0]))
+        return _stat(stats, b"reserves"), _stat(stats, b"releases")
+
+
+def _stat(stats: bytes, name: bytes) -> int:
+    start = stats.index(b"\n" + name + b": ") + len(name) + 3
+    return int(stats[start : stats.index(b"\n", start)])
+
+
+@dataclass(slots=True)
+class _Reserved:
+    """A job reserved on this connection, with its ``reserves`` and ``releases`` once read."""
+
+    job: Job[bytes]
+    counts: tuple[int, int] | None = None
 
 
 @dataclass
@@ -40,9 +92,14 @@ class _Tube:
     """One connection per queue: only the connection that reserved a job may touch, delete or
     bury it, so the heartbeat thread shares it under the lock."""
 
-    client: Client[bytes]
+    client: _Client
     lock: threading.Lock
-    stash: Job[bytes] | None = None  # a job reserved by wait_for_work, handed out by the next fetch
+    # A job reserved but not handed out yet (by wait_for_work, or by an ack that found its own
+    # lease lost): the next fetch hands it out.
+    stash: _Reserved | None = None
+    # The job ``peek-ready`` showed next: the next fetch asks for its ``stats-job`` with its
+    # ``reserve``, which normally reserves that very job.
+    next_id: int | None = None
 
 
 class BeanstalkBackend(RequeueByCopy):
@@ -51,6 +108,7 @@ class BeanstalkBackend(RequeueByCopy):
     supports_priority = True
     native_lease = True
     native_dead_letter = True
+    pipelines_ack_fetch = True
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
@@ -97,7 +155,7 @@ class BeanstalkBackend(RequeueByCopy):
                 tube = self._tubes.get(queue)
                 if tube is None:
                     name = self.tube_name(queue)
-                    client = greenstalk.Client(self.address, encoding=None, use=name, watch=name)
+                    client = _Client(self.address, encoding=None, use=name, watch=name)
                     tube = self._tubes[queue] = _Tube(client, threading.Lock())
         return tube
 
@@ -105,11 +163,11 @@ class BeanstalkBackend(RequeueByCopy):
         for queue, tube in list(self._tubes.items()):
             with tube.lock:
                 if tube.stash is not None:
-                    # Hand back a job reserved by wait_for_work but never fetched, so it is not
-                    # counted as a lost run (fetch subtracts releases from reserves).
+                    # Hand back a job reserved but never handed out, so it is not counted as a
+                    # lost run (fetch subtracts releases from reserves), at its own priority.
+                    job, tube.stash = tube.stash.job, None
                     with contextlib.suppress(Exception):  # closing anyway; beanstalkd releases on disconnect
-                        tube.client.release(tube.stash)
-                    tube.stash = None
+                        tube.client.release(job, priority=tube.client.stats_job(job)["pri"])
             self._drop(queue, tube)
 
     @staticmethod
@@ -132,26 +190,85 @@ class BeanstalkBackend(RequeueByCopy):
     def fetch(self, queue: str) -> Lease | None:
         for _ in range(LOST_RUN_BATCH):
             with self._using(queue) as tube:
-                job, tube.stash = tube.stash, None
-                if job is None:
-                    try:
-                        job = tube.client.reserve(timeout=0)
-                    except greenstalk.TimedOutError:
-                        return None
-                stats = tube.client.stats_job(job)
-            # The reservation itself fences: only this connection can settle the job.
-            lease = Lease(token=str(job.id), owner_token=str(job.id), expires_at=self._expiry(), queue=queue, raw=job)
-            lease.envelope, lease.error = decode_lease_body(job.body)
-            # Earlier reservations of this very job that ended without a settle (TTR ran out, or
-            # the worker's connection died) are lost runs. Our own releases are not: the worker
-            # never releases a job it ran (nack puts a copy), only one it never handed out.
-            lost = stats["reserves"] - 1 - stats["releases"]
-            if lease.envelope is not None:
-                lease.token = lease.envelope.id
-                lease.envelope.attempts += lost
-            if not settle_lost_runs(self, lease, lost, f"beanstalkd handed it out {lost} time(s) without a settle"):
+                reserved, tube.stash = tube.stash, None
+                if reserved is None:
+                    _, reserved = self._reserve(tube)
+                if reserved is None:
+                    return None
+                counts = reserved.counts or self._counts(tube, reserved.job)
+            if counts is None:
+                continue  # deleted since (its reservation had run out): not ours any more
+            lease = self._lease(queue, reserved.job, counts)
+            if lease is not None:
                 return lease
         return None
+
+    def ack_and_fetch(self, lease: Lease, queue: str) -> Lease | None:
+        """The ``delete`` goes out with the next fetch's commands: one round trip. When the
+        delete finds the lease lost, the job reserved with it waits for the next fetch."""
+        if queue != lease.queue:
+            return super().ack_and_fetch(lease, queue)
+        with self._using(queue) as tube:
+            if tube.stash is None:
+                deleted, tube.stash = self._reserve(tube, lease.raw)
+            else:  # the next job is reserved already
+                tube.client.send(b"delete %d" % lease.raw.id)
+                deleted = tube.client.reply(b"DELETED") is not None
+            reserved = tube.stash is not None
+        if not deleted:
+            raise LeaseLost(f"job {lease.token} is no longer reserved by this worker")
+        return self.fetch(queue) if reserved else None
+
+    def _reserve(self, tube: _Tube, ack: Job[bytes] | None = None) -> tuple[bool, _Reserved | None]:
+        """One write: the ``delete`` of ``ack``, a ``reserve`` that does not wait, the
+        ``stats-job`` of the job shown next the time before, and a ``peek-ready``. Returns
+        whether ``ack`` was deleted, and the job reserved (its counts read when it was the one
+        shown, as it normally is: the ``stats-job`` follows the ``reserve``)."""
+        client, shown = tube.client, tube.next_id
+        commands = [b"reserve-with-timeout 0", b"peek-ready"]
+        if shown is not None:
+            commands.insert(1, b"stats-job %d" % shown)
+        if ack is not None:
+            commands.insert(0, b"delete %d" % ack.id)
+        client.send(*commands)
+        deleted = ack is None or client.reply(b"DELETED") is not None
+        job = client.job_reply(b"RESERVED")
+        counts = client.counts_reply() if shown is not None else None
+        self._shown(tube)
+        if job is None:
+            return deleted, None
+        return deleted, _Reserved(job, counts if job.id == shown else None)
+
+    def _counts(self, tube: _Tube, job: Job[bytes]) -> tuple[int, int] | None:
+        """``reserves`` and ``releases`` of a job reserved here (``None``: it is gone), with a
+        ``peek-ready`` for the next fetch."""
+        tube.client.send(b"stats-job %d" % job.id, b"peek-ready")
+        counts = tube.client.counts_reply()
+        self._shown(tube)
+        return counts
+
+    @staticmethod
+    def _shown(tube: _Tube) -> None:
+        """Read the reply of a ``peek-ready``: the job the next ``reserve`` should get."""
+        upcoming = tube.client.job_reply(b"FOUND")
+        tube.next_id = None if upcoming is None else upcoming.id
+
+    def _lease(self, queue: str, job: Job[bytes], counts: tuple[int, int]) -> Lease | None:
+        """The lease of a reserved job, or ``None`` when its lost runs settled it."""
+        # The reservation itself fences: only this connection can settle the job.
+        lease = Lease(token=str(job.id), owner_token=str(job.id), expires_at=self._expiry(), queue=queue, raw=job)
+        lease.envelope, lease.error = decode_lease_body(job.body)
+        # Earlier reservations of this very job that ended without a settle (TTR ran out, or
+        # the worker's connection died) are lost runs. Our own releases are not: the worker
+        # never releases a job it ran (nack puts a copy), only one it never handed out.
+        reserves, releases = counts
+        lost = reserves - 1 - releases
+        if lease.envelope is not None:
+            lease.token = lease.envelope.id
+            lease.envelope.attempts += lost
+        if settle_lost_runs(self, lease, lost, f"beanstalkd handed it out {lost} time(s) without a settle"):
+            return None
+        return lease
 
     def _expiry(self) -> datetime:
         now: datetime = timezone.now()
@@ -190,7 +307,7 @@ class BeanstalkBackend(RequeueByCopy):
         with self._using(queues[0]) as tube:
             if tube.stash is None:
                 try:
-                    tube.stash = tube.client.reserve(timeout=int(timeout))
+                    tube.stash = _Reserved(tube.client.reserve(timeout=int(timeout)))
                 except greenstalk.TimedOutError:
                     pass
         return True

@@ -47,7 +47,7 @@ from django_jobs.exceptions import LeaseLost
 from django_jobs.metrics import get_collector
 from django_jobs.models import Job, JobStatus
 from django_jobs.worker import QueueWorker
-from tests.beanstalk_support import job_state, raw_tube, tube_counts
+from tests.beanstalk_support import count_writes, job_state, raw_tube, tube_counts
 from tests.procs import pid_alive, processes, wait_until, worker_env
 from tests.testapp.jobs import scripted
 from tests.testapp.models import SideEffect
@@ -732,7 +732,99 @@ def test_a_job_reserved_while_the_worker_stops_is_not_counted_as_a_run(raw):
     assert len(effects(key)) == 1
 
 
-# -- 10. the beanstalk extra missing ------------------------------------------------------------------------
+@pytest.mark.django_db
+def test_a_job_reserved_by_wait_for_work_goes_back_at_its_priority_when_the_backend_closes(backend, raw):
+    backend.enqueue(envelope(priority=5))
+    assert backend.wait_for_work(["default"], 1) is True
+    backend.close()
+    job_id = raw["default"].peek_ready().id
+    state = raw.job("default", job_id)
+    assert (state["reserves"], state["releases"]) == (1, 1), "released: not a lost run"
+    assert state["pri"] == PRIORITY_ZERO - 5
+
+
+# -- 10. one round trip a job: the ack and the next fetch written together -----------------------------------
+
+
+def lose_once(address: tuple[str, int], tube: str) -> int:
+    """Another worker reserves the next ready job and dies (its connection closes): beanstalkd
+    puts it back, its ``reserves`` one higher. Returns its beanstalk id."""
+    with raw_tube(address, tube) as other:
+        return other.reserve(timeout=0).id
+
+
+@pytest.mark.django_db
+def test_an_ack_and_the_next_fetch_cost_one_round_trip_and_lost_runs_still_count(beanstalk_up, backend, raw):
+    first, second, third = (envelope(backoff=NO_BACKOFF, max_retries=3) for _ in range(3))
+    for env in (first, second, third):
+        backend.enqueue(env)
+    writes = count_writes(backend._tube("default").client)
+
+    lease = backend.fetch("default")  # nothing shown yet: reserve, then the job's stats-job
+    assert lease.envelope.id == first.id
+    assert writes.writes == 2
+    following = backend.ack_and_fetch(lease, "default")
+    assert raw.job("default", lease.raw.id) == {"state": "gone"}
+    assert (following.envelope.id, following.envelope.attempts) == (second.id, 0)
+    assert writes.writes == 3
+
+    lost_id = lose_once(beanstalk_up, backend.tube_name("default"))
+    wait_until(lambda: raw.job("default", lost_id)["state"] == "ready", 5, "the lost job to come back")
+    last = backend.ack_and_fetch(following, "default")
+    assert (last.envelope.id, last.envelope.attempts) == (third.id, 1), "its lost run counts"
+    assert writes.writes == 4
+    assert backend.ack_and_fetch(last, "default") is None
+    assert writes.writes == 5
+    assert raw.counts("default") == ZERO
+
+
+@pytest.mark.django_db
+def test_a_job_taken_by_another_worker_meanwhile_costs_a_second_round_trip_for_its_own_counts(
+    beanstalk_up, backend, raw
+):
+    first, second, third = (envelope(backoff=NO_BACKOFF, max_retries=3) for _ in range(3))
+    for env in (first, second, third):
+        backend.enqueue(env)
+    other = BeanstalkBackend("beanstalk", dict(backend.options))
+    try:
+        lease = backend.fetch("default")  # shows `second` next
+        taken = other.fetch("default")
+        assert taken.envelope.id == second.id
+        lost_id = lose_once(beanstalk_up, backend.tube_name("default"))
+        wait_until(lambda: raw.job("default", lost_id)["state"] == "ready", 5, "the lost job to come back")
+        writes = count_writes(backend._tube("default").client)
+
+        following = backend.ack_and_fetch(lease, "default")
+
+        assert (following.envelope.id, following.envelope.attempts) == (third.id, 1), "its own lost run"
+        assert writes.writes == 2
+        other.ack(taken)
+        backend.ack(following)
+    finally:
+        other.close()
+    assert raw.counts("default") == ZERO
+
+
+@pytest.mark.django_db
+def test_an_ack_that_finds_its_lease_lost_keeps_the_job_reserved_with_it_for_the_next_fetch(backend, raw):
+    first, second = envelope(), envelope()
+    backend.enqueue(first)
+    backend.enqueue(second)
+    lease = backend.fetch("default")
+    stale = replace(lease, raw=greenstalk.Job(lease.raw.id + 10**9, b""))  # no such reservation
+
+    with pytest.raises(LeaseLost):
+        backend.ack_and_fetch(stale, "default")
+
+    following = backend.fetch("default")
+    assert (following.envelope.id, following.envelope.attempts) == (second.id, 0)
+    assert raw.job("default", following.raw.id)["reserves"] == 1, "reserved once, by the failed ack"
+    backend.ack(lease)
+    backend.ack(following)
+    assert raw.counts("default") == ZERO
+
+
+# -- 11. the beanstalk extra missing ------------------------------------------------------------------------
 
 
 def test_import_without_greenstalk_names_the_extra(monkeypatch):
