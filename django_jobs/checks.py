@@ -3,6 +3,7 @@
 Every key of ``JOBS`` is validated by the rule of :data:`RULES` (its type and range), then the
 settings are checked against each other (backends, queues, handlers, caches). A key whose type is
 wrong is reported once and left out of the later checks, which would only repeat the problem.
+Each check carries the tag :data:`TAG` as well: ``jobs_work`` runs these checks, and no others.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from .retry import MAX_DELAY_SECONDS, STRATEGIES
 Rule = Callable[[Any], "str | None"]
 
 BACKEND_KEYS = ("ENGINE", "OPTIONS")
+# The tag of django-jobs' own checks (``manage.py check --tag django_jobs``); the only ones
+# ``jobs_work`` runs before it starts.
+TAG = "django_jobs"
 
 
 def _error(msg: str, id: str, hint: str | None = None, obj: Any = "settings.JOBS") -> checks.CheckMessage:
@@ -172,7 +176,7 @@ RULES: dict[str, tuple[str, Rule]] = {
 }
 
 
-@checks.register(checks.Tags.compatibility)
+@checks.register(checks.Tags.compatibility, TAG)
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     user = getattr(settings, "JOBS", None)
     if user is not None and not isinstance(user, dict):
@@ -359,7 +363,7 @@ def _import_job_modules(bad: set[str], errors: list[checks.CheckMessage]) -> set
     return failed
 
 
-@checks.register(checks.Tags.compatibility)
+@checks.register(checks.Tags.compatibility, TAG)
 def check_servicebus_delivery_count(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """Service Bus dead-letters a message on its own once its lock has expired MaxDeliveryCount
     times. A job whose worker dies on every run needs ``max_retries + 2`` deliveries before
@@ -397,7 +401,7 @@ def check_servicebus_delivery_count(app_configs: Any = None, **kwargs: Any) -> l
     return warnings
 
 
-@checks.register(checks.Tags.compatibility, deploy=True)
+@checks.register(checks.Tags.compatibility, TAG, deploy=True)
 def check_backend_persistence(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """A backend whose server keeps nothing on disk loses every queued job when it restarts
     (Redis without AOF or RDB save points). This asks the servers, so it runs only under

@@ -168,6 +168,23 @@ def test_manage_py_check_fails_on_bad_settings():
         call_command("check")
 
 
+@pytest.mark.django_db(databases=ALL_DATABASES)  # Django's model checks ask every database
+def test_jobs_work_runs_django_jobs_checks_and_no_others():
+    # Without TEMPLATES the admin's own check fails: `manage.py check` reports it, a worker starts.
+    with override_settings(TEMPLATES=[]):
+        with pytest.raises(SystemCheckError, match="admin.E403"):
+            call_command("check")
+        call_command("jobs_work", "--once", skip_checks=False, stdout=StringIO())
+    with jobs_settings(LEASE_TIMOUT=5), pytest.raises(SystemCheckError, match="django_jobs.E009"):
+        call_command("jobs_work", "--once", skip_checks=False, stdout=StringIO())
+
+
+def test_every_django_jobs_check_carries_its_tag():
+    registered = checks.registry.registry.get_checks(include_deployment_checks=True)
+    tagged = {check.__name__ for check in registered if jobs_checks.TAG in check.tags}
+    assert tagged == {"check_settings", "check_servicebus_delivery_count", "check_backend_persistence"}
+
+
 # -- the shape of JOBS and its keys --------------------------------------------------------------------
 
 

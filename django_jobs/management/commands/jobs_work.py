@@ -9,7 +9,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_jobs import health, registry, signing
+from django_jobs import checks, health, registry, signing
 from django_jobs.backends import get_backend
 from django_jobs.backends.base import QueueBackend
 from django_jobs.exceptions import summary
@@ -23,6 +23,9 @@ from . import _report, _validate, jobs_schedule
 
 class Command(BaseCommand):
     help = "Run a django-jobs worker until SIGTERM/SIGINT (or --once / --max / --max-time)."
+    # django-jobs' own checks only: those of settings a worker would lose or mis-run jobs with.
+    # The others (models, admin, URLs, templates, ...) are for the deploy's `manage.py check`.
+    requires_system_checks = [checks.TAG]
 
     def add_arguments(self, parser: CommandParser) -> None:
         _validate.add_target_arguments(parser, "queues to consume, in priority order (default: the first of QUEUES)")
