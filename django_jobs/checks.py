@@ -306,10 +306,10 @@ def _handlers_and_queues(bad: set[str]) -> list[checks.CheckMessage]:
 def _schedule(bad: set[str], unimportable: set[str]) -> list[checks.CheckMessage]:
     """E014: every problem of every entry of SCHEDULE (bad trigger, time zone or queue, unknown
     job, ...), but not a job of a module that cannot be imported (E013 says why)."""
-    from . import schedules
-
-    if "SCHEDULE" in bad:
+    if "SCHEDULE" in bad or not conf.get("SCHEDULE"):
         return []
+    from . import schedules  # the scheduler's own module, for a project that has a schedule
+
     return [_error(problem, "E014") for problem in schedules.errors(unimportable)]
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-if TYPE_CHECKING:
-    from .envelope import Envelope
+from .envelope import Envelope
 
 
 class JobStatus(models.TextChoices):
@@ -39,6 +38,12 @@ ENVELOPE_COLUMNS = (
 def envelope_columns(envelope: Envelope) -> dict[str, Any]:
     """A ``Job`` row's message columns, from ``envelope`` (its id aside)."""
     return {column: getattr(envelope, column) for column in ENVELOPE_COLUMNS}
+
+
+def envelope_of(row: Job) -> Envelope:
+    """The envelope a ``Job`` row describes, as first dispatched (attempts 0, available now)."""
+    columns = {column: getattr(row, column) for column in ENVELOPE_COLUMNS}
+    return Envelope(id=row.id, **{**columns, "options": row.options or {}})
 
 
 class ClaimedAhead(models.IntegerChoices):

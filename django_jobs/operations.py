@@ -19,10 +19,9 @@ from . import conf, dependencies, history, rows, signing
 from .backends import get_backend
 from .backends.base import AbortAsked
 from .backends.database import DatabaseBackend
-from .envelope import Envelope
 from .exceptions import AbortNotSupported, BadSignature, InvalidPayload, JobAborted
 from .heartbeat import ABORT_CHECK
-from .models import ENVELOPE_COLUMNS, FINISHED_STATUSES, AttemptOutcome, Dependency, Job, JobAttempt, JobStatus
+from .models import FINISHED_STATUSES, AttemptOutcome, Dependency, Job, JobAttempt, JobStatus, envelope_of
 
 logger = logging.getLogger("django_jobs.operations")
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -386,12 +385,6 @@ def requested_text(asked: AbortAsked, shown: Callable[[datetime], str] = utc_tex
     """``requested by admin:boss at 2026-05-01 14:03:09 UTC`` (``shown`` writes the time; none
     when it was not kept)."""
     return f"requested by {asked.by}" + ("" if asked.at is None else f" at {shown(asked.at)}")
-
-
-def envelope_of(row: Job) -> Envelope:
-    """The envelope a ``Job`` row describes, as first dispatched (attempts 0, available now)."""
-    columns = {column: getattr(row, column) for column in ENVELOPE_COLUMNS}
-    return Envelope(id=row.id, **{**columns, "options": row.options or {}})
 
 
 def stats(backend_names: list[str] | None = None) -> list[dict[str, Any]]:

@@ -133,6 +133,8 @@ def tasks_use_django_jobs() -> bool:
         path = params.get("BACKEND") if isinstance(params, dict) else None
         if path == TASK_BACKEND:
             return True
+        if isinstance(path, str) and path.startswith("django.tasks."):
+            continue  # Django's own backends (its default among them): not imported for nothing
         try:
             backend_class = import_string(path) if isinstance(path, str) else None
         except ImportError:

@@ -26,7 +26,7 @@ from django.utils.dateparse import parse_datetime
 from .. import conf, dependencies, rows
 from ..envelope import Envelope
 from ..exceptions import AbortRequested, InvalidPayload, JobAborted, LeaseLost, WorkerLost
-from ..models import ClaimedAhead, Job, JobStatus, envelope_columns
+from ..models import ClaimedAhead, Job, JobStatus, envelope_columns, envelope_of
 from ..retry import after_lost_run
 from .base import NO_RESULT, Lease, LimitedBackend
 from .db_limits import DatabaseLimits
@@ -609,7 +609,6 @@ class DatabaseBackend(LimitedBackend):
         row is recovered with the global policy. One row's error is logged and counted
         (``jobs_reap_errors``) and never stops the pass.
         """
-        from ..operations import envelope_of  # operations imports this module
         from ..reaper import lost_run
         from ..retry import reaping, trusted_options
 

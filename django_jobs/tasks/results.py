@@ -55,7 +55,7 @@ class Record:
 
     @classmethod
     def of_row(cls, row: Job) -> Record:
-        from ..operations import envelope_of
+        from ..models import envelope_of
 
         envelope = replace(envelope_of(row), attempts=row.attempts)
         claimed = row.updated_at if row.status == "in_progress" else None  # the claim sets it

@@ -22,8 +22,8 @@ from django.utils import timezone
 from django_jobs import history, registry, signing
 from django_jobs.backends import get_backend
 from django_jobs.exceptions import InvalidPayload
-from django_jobs.models import Job, JobAttempt
-from django_jobs.operations import envelope_of, retry_jobs
+from django_jobs.models import Job, JobAttempt, envelope_of
+from django_jobs.operations import retry_jobs
 from django_jobs.tasks import (
     HISTORY_GRACE,
     InvalidTask,

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -89,14 +90,16 @@ def migrated(name: str) -> None:
     from django.db.migrations.recorder import MigrationRecorder
 
     from django_jobs.backends import backend_config, engine_class
-    from django_jobs.backends.database import DatabaseBackend
     from django_jobs.models import Job
 
     found = files("django_jobs") / "migrations"
     known = {entry.name[:-3] for entry in found.iterdir() if entry.name[:4].isdigit() and entry.name.endswith(".py")}
     aliases = {router.db_for_write(Job)}
     config = backend_config(name)  # not built here: a backend that fails to build fails in its worker
-    if issubclass(engine_class(config.get("ENGINE", "database")), DatabaseBackend):
+    engine = engine_class(config.get("ENGINE", "database"))
+    # A subclass of DatabaseBackend has imported its module: a broker's worker never does.
+    database = sys.modules.get("django_jobs.backends.database")
+    if database is not None and issubclass(engine, database.DatabaseBackend):
         aliases.add((config.get("OPTIONS") or {}).get("DATABASE", DEFAULT_DB_ALIAS))
     for alias in sorted(aliases):
         try:

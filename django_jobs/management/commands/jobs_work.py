@@ -4,6 +4,7 @@ import contextlib
 import functools
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -15,10 +16,9 @@ from django_jobs.backends.base import QueueBackend
 from django_jobs.exceptions import summary
 from django_jobs.pool import STOP_SIGNALS, Sidecar, WorkerPool, announce_stop
 from django_jobs.reaper import recover_claims
-from django_jobs.scheduler import POLL
 from django_jobs.worker import EXIT_UNREACHABLE, QueueWorker
 
-from . import _report, _validate, jobs_schedule
+from . import _report, _validate
 
 
 class Command(BaseCommand):
@@ -78,8 +78,8 @@ class Command(BaseCommand):
     def work(self, backend: str, queues: list[str], opts: dict[str, Any], limits: dict[str, Any]) -> None:
         """Here (a bounded run of one process), or in a supervised pool of processes."""
         per_job, prefetch, tracebacks = opts["verbosity"] >= 1, opts["prefetch"], opts["verbosity"] >= 2
-        scheduler = jobs_schedule.build(POLL, self.stdout, opts["verbosity"]) if opts["with_scheduler"] else None
-        if scheduler is None and opts["concurrency"] == 1 and (opts["once"] or opts["max_jobs"] is not None):
+        sidecar, announce = self.scheduler(opts["verbosity"]) if opts["with_scheduler"] else (None, None)
+        if sidecar is None and opts["concurrency"] == 1 and (opts["once"] or opts["max_jobs"] is not None):
             worker = QueueWorker(backend, queues, exit_on_hard_timeout=True, prefetch=prefetch, tracebacks=tracebacks)
             self.work_here(worker, limits)
             return
@@ -89,22 +89,31 @@ class Command(BaseCommand):
             recover=functools.partial(recover_claims, backend),
             on_start=self.report.restart,
             on_stop=self.report.stopped if per_job else None,
-            # Its own process, not a thread: a supervisor that forks must hold no connection or lock.
-            sidecar=None
-            if scheduler is None
-            else Sidecar("scheduler", functools.partial(jobs_schedule.serve, scheduler, self.stdout)),
+            sidecar=sidecar,
             **limits,
         )
         pool.install_signal_handlers()
         self.report.started(backend, queues, opts["concurrency"])
-        if scheduler is not None:
-            jobs_schedule.announce(scheduler, self.stdout)
+        if announce is not None:
+            announce()
         self.warn_if_not_persistent(backend)
         code = pool.run()
         if code == EXIT_UNREACHABLE:
             raise unreachable(get_backend(backend), None)
         if code:
             raise CommandError("worker processes keep dying at start-up (see the errors logged above); giving up")
+
+    def scheduler(self, verbosity: int) -> tuple[Sidecar, Callable[[], None]]:
+        """``--with-scheduler``: the scheduler's process, and what prints its start lines. Its
+        own process, not a thread: a supervisor that forks must hold no connection or lock. (The
+        scheduler's code is imported for this option only.)"""
+        from django_jobs.scheduler import POLL
+
+        from . import jobs_schedule
+
+        scheduler = jobs_schedule.build(POLL, self.stdout, verbosity)
+        sidecar = Sidecar("scheduler", functools.partial(jobs_schedule.serve, scheduler, self.stdout))
+        return sidecar, functools.partial(jobs_schedule.announce, scheduler, self.stdout)
 
     def warn_if_not_persistent(self, backend: QueueBackend | str) -> None:
         """A ``WARNING:`` line under the start line when a restart of the backend's server
