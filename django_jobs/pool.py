@@ -26,6 +26,7 @@ from django.db import connections
 
 from . import backends
 from .backends.base import Lease
+from .exceptions import summary
 from .logfields import log_fields
 from .presence import Presence
 from .worker import EXIT_UNREACHABLE, QueueWorker, WorkerResult
@@ -104,21 +105,24 @@ class WorkerPool:
         sleep: float | None = None,
         on_result: Callable[[WorkerResult], None] | None = None,
         recover: Callable[[str, str, str | None], object] | None = None,
+        reap: Callable[[], object] | None = None,
         on_start: Callable[[], None] | None = None,
         on_stop: Callable[[], None] | None = None,
         sidecar: Sidecar | None = None,
     ) -> None:
         """``recover(queue, owner_token, job_in_hand)`` is called when a worker process dies
-        holding claims (:func:`~django_jobs.reaper.recover_claims`); ``on_start`` and
-        ``on_stop`` run in each worker process before and after its run; ``sidecar`` runs in
-        one more process, in the slot after the workers'."""
+        holding claims (:func:`~django_jobs.reaper.recover_claims`); ``reap()``, the reaping of
+        the workers' queues at start, is called here once the first processes are forked, so
+        none of them waits for it before its first claim (each reaps every ``LEASE_TIMEOUT``
+        after that); ``on_start`` and ``on_stop`` run in each worker process before and after
+        its run; ``sidecar`` runs in one more process, in the slot after the workers'."""
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self.make_worker = make_worker
         self.concurrency = concurrency
         self.run_options: _RunOptions = {"max_time": max_time, "once": once, "sleep": sleep, "on_result": on_result}
         self.budget = SharedBudget(max_jobs) if max_jobs is not None else None
-        self.recover = recover
+        self.recover, self.reap = recover, reap
         self.on_start, self.on_stop = on_start, on_stop  # in each worker process, around its run
         self.sidecar = sidecar
         # pid -> slot, state, start, claims
@@ -196,6 +200,7 @@ class WorkerPool:
         backends.reset()
         for slot in range(self.concurrency + (self.sidecar is not None)):
             self._spawn(slot)
+        self._reap_at_start()
         quick_deaths = 0
         gave_up = unreachable = False
         while self.children:
@@ -253,6 +258,22 @@ class WorkerPool:
             for pid in list(self.children):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
+
+    def _reap_at_start(self) -> None:
+        """The reaping at start, here, while the worker processes start; this process's
+        connections are closed again before its next fork. A failure is logged: the worker
+        processes reap every ``LEASE_TIMEOUT``."""
+        if self.reap is None:
+            return
+        try:
+            self.reap()
+        except Exception as exc:  # noqa: BLE001 - logged; the worker processes reap every LEASE_TIMEOUT
+            logger.error(
+                "reaping expired leases at start failed: %s; the worker processes reap them later", summary(exc)
+            )
+        finally:
+            connections.close_all()
+            backends.reset()
 
     def _recover(self, claims: Claims | None) -> None:
         """A worker process died: recover the claims it held now, in this process (whose
@@ -313,7 +334,7 @@ class WorkerPool:
         if self.on_start is not None:
             self.on_start()
         with Presence(worker):  # its row in the workers panel, written every Worker.BEAT
-            worker.run(budget=self.budget, **self.run_options)
+            worker.run(budget=self.budget, reap_at_start=self.reap is None, **self.run_options)
         if self.on_stop is not None:
             self.on_stop()
         worker.backend.close()  # hands back anything still held for us (a reserved-ahead job)

@@ -43,6 +43,9 @@ KEEP_THROUGHPUT = timedelta(days=8)
 NAME_CHARS: int = Worker._meta.get_field("current_job_name").max_length or 255
 # How long ``stop()`` waits for the last beat (it cannot hold up a stopping worker for long).
 STOP_WAIT = 5.0
+# How long after the start the first beat comes (or one beat's interval, if shorter): after the
+# worker's first claim and first jobs, which its connection and writes would only slow down.
+FIRST_BEAT = 0.5
 # The ``Throughput`` column each outcome adds to; other outcomes count as processed only.
 COLUMNS: dict[Outcome, str] = {
     Outcome.ACKED: "completed",
@@ -125,7 +128,8 @@ class Presence:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Start the thread; its first beat, at once, writes the row."""
+        """Start the thread; its first beat, ``FIRST_BEAT`` later, writes the row (or the last
+        one, of a process that stops sooner)."""
         self.started_at = self.clock()
         self._thread = threading.Thread(target=self._run, name=f"presence {self.id}", daemon=True)
         self._thread.start()
@@ -178,9 +182,10 @@ class Presence:
 
     def _run(self) -> None:
         try:
-            self._tick()
-            while not self._stop.wait(self.interval):
+            wait = min(FIRST_BEAT, self.interval)
+            while not self._stop.wait(wait):
                 self._tick()
+                wait = self.interval
             self.beat(stopping=True)
         finally:
             with contextlib.suppress(DatabaseError):

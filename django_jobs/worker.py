@@ -226,10 +226,13 @@ class QueueWorker:
         budget: Budget | None = None,
         on_result: Callable[[WorkerResult], None] | None = None,
         reap: bool = True,
+        reap_at_start: bool = True,
     ) -> int:
         """Process jobs until stopped, out of jobs (``once``), ``max_jobs`` or ``max_time``.
 
         ``budget`` is shared by the processes of a pool (``take()``/``give_back()``).
+        ``reap`` reaps the worker's queues every ``LEASE_TIMEOUT``, first at the start unless
+        ``reap_at_start`` is false (a pool's supervisor reaps them while its processes start).
         Returns the number of deliveries processed.
         """
         sleep = conf.get("POLL_INTERVAL") if sleep is None else sleep
@@ -238,7 +241,7 @@ class QueueWorker:
         if reaper is not None:
             reaper.metrics = self.metrics
             self.pipeline.on_backend_error = reaper.backend_failed
-        next_reap = time.monotonic() if reaper else math.inf
+        next_reap = time.monotonic() + (0 if reap_at_start else self.lease_seconds) if reaper else math.inf
         outages, reached, self.unreachable = 0, False, None
         self.batching = self.prefetch > 1 and self.backend.can_prefetch()
         self.batches.tickets = limits

@@ -1,9 +1,9 @@
-"""What ``jobs_work`` imports: what a worker runs, and nothing else (no admin, dashboard, charts,
-scheduler or Prometheus code, no other engine's backend), in a project without the admin whose
-one backend is of the engine under test.
-
-Each test runs the command in a fresh interpreter, then lists the modules it holds: in the
-command's own process with ``--once``, in the supervisor of a pool otherwise.
+"""A worker's start. What ``jobs_work`` imports: what a worker runs, and nothing else (no admin,
+dashboard, charts, scheduler or Prometheus code, no other engine's backend), in a project without
+the admin whose one backend is of the engine under test; each of these tests runs the command in
+a fresh interpreter, then lists the modules it holds: in the command's own process with
+``--once``, in the supervisor of a pool otherwise. And the reaping at start, which the supervisor
+does while its processes start.
 """
 
 from __future__ import annotations
@@ -12,11 +12,16 @@ import os
 import re
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.utils import timezone
 
-from tests.procs import REPO_ROOT, worker_env
+from django_jobs import Jobs
+from django_jobs.models import Job
+from tests.procs import REPO_ROOT, processes, wait_until, worker_env
+from tests.testapp.jobs import scripted
 
 pytestmark = pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
 
@@ -83,3 +88,19 @@ def test_jobs_work_imports_only_what_a_worker_runs(request, tmp_path, engine, ar
     assert "django_jobs.worker" in modules  # it did start a worker
     unwanted = re.compile(rf"^({NEVER}|{OTHER_ENGINES[engine]})(\.|$)")
     assert [m for m in modules if unwanted.match(m)] == []
+
+
+def test_a_lease_expired_before_the_start_is_reaped_at_start(postgres_up):
+    """The supervisor reaps while its process starts: a lease that expired before the start is
+    recovered at once, its lost run counted, and the job run; not one ``LEASE_TIMEOUT`` later (60 s
+    here), when the worker process reaps for the first time."""
+    job_id = scripted.using(backend="pg", max_retries=1).dispatch(action="ok")
+    assert Jobs.backend("pg").fetch("default") is not None  # claimed by a worker that died since
+    Job.objects.using("postgres").filter(pk=job_id).update(leased_until=timezone.now() - timedelta(seconds=1))
+    with processes() as procs:
+        worker = procs.worker("--backend", "pg", env=worker_env(lease_timeout=60))
+        done = lambda: Job.objects.using("postgres").get(pk=job_id).status == "completed"
+        wait_until(done, 20, "the job recovered and run")
+        assert worker.stop() == 0, worker.output()
+    assert Job.objects.using("postgres").get(pk=job_id).attempts == 2  # the lost run, then its run
+    assert any("reaped 1 expired lease(s) on default" in line for line in worker.err), worker.output()

@@ -15,7 +15,7 @@ from django_jobs.backends import get_backend
 from django_jobs.backends.base import QueueBackend
 from django_jobs.exceptions import summary
 from django_jobs.pool import STOP_SIGNALS, Sidecar, WorkerPool, announce_stop
-from django_jobs.reaper import recover_claims
+from django_jobs.reaper import Reaper, recover_claims
 from django_jobs.worker import EXIT_UNREACHABLE, QueueWorker
 
 from . import _report, _validate
@@ -87,6 +87,7 @@ class Command(BaseCommand):
             lambda: QueueWorker(backend, queues, prefetch=prefetch, tracebacks=tracebacks),
             opts["concurrency"],
             recover=functools.partial(recover_claims, backend),
+            reap=lambda: Reaper(backend, queues).reap_once(),
             on_start=self.report.restart,
             on_stop=self.report.stopped if per_job else None,
             sidecar=sidecar,
