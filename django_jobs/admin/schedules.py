@@ -18,8 +18,6 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from ..models import Schedule, ScheduleTick
-from ..scheduler import Scheduler
-from ..schedules import ScheduleError
 from .jobs import time_text
 from .workers import job_cell, known_jobs, two_lines
 
@@ -260,6 +258,11 @@ class ScheduleAdmin(admin.ModelAdmin):
     def run_now(self, request: HttpRequest, queryset: QuerySet[Schedule]) -> None:
         """Dispatch each selected enabled schedule's job now (a manual tick); each run is logged
         in the schedule's admin history. Disabled and removed entries are refused."""
+        # The scheduler's code is loaded by the action that runs it, not by every process that
+        # loads the admin (a worker's included).
+        from ..scheduler import Scheduler
+        from ..schedules import ScheduleError
+
         try:
             scheduler = Scheduler()
         except ScheduleError as exc:  # a bad entry in the settings (the system checks report it too)

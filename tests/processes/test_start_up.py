@@ -1,6 +1,7 @@
 """A worker's start. What ``jobs_work`` imports: what a worker runs, and nothing else (no admin,
 dashboard, charts, scheduler or Prometheus code, no other engine's backend), in a project without
-the admin whose one backend is of the engine under test; each of these tests runs the command in
+the admin whose one backend is of the engine under test (with the admin installed, Django loads
+django-jobs' admin classes, but not the dashboard's page, charts or the scheduler); each of these tests runs the command in
 a fresh interpreter, then lists the modules it holds: in the command's own process with
 ``--once``, in the supervisor of a pool otherwise. And the reaping at start, which the supervisor
 does while its processes start.
@@ -32,7 +33,8 @@ from tests.settings import *  # noqa: F403
 
 # No admin, and no django.tasks backend on django-jobs (nor, on Django 5.2, the django_tasks
 # backport, whose django_stubs_ext imports the admin).
-INSTALLED_APPS = [app for app in INSTALLED_APPS if app not in ("django.contrib.admin", "django_tasks")]  # noqa: F405
+if not os.environ.get("JOBS_TEST_ADMIN"):
+    INSTALLED_APPS = [app for app in INSTALLED_APPS if app not in ("django.contrib.admin", "django_tasks")]  # noqa: F405
 ROOT_URLCONF = __name__
 urlpatterns = []
 JOBS = {**JOBS, "BACKENDS": {"default": JOBS["BACKENDS"][os.environ["JOBS_TEST_ENGINE"]]}}  # noqa: F405
@@ -52,12 +54,13 @@ NEVER = (
 OTHER_ENGINES = {"pg": r"django_jobs\.backends\.redis", "redis": r"django_jobs\.backends\.(database|db_limits)"}
 
 
-def modules_after(tmp_path: Path, engine: str, *args: str) -> list[str]:
+def modules_after(tmp_path: Path, engine: str, *args: str, admin: bool = False) -> list[str]:
     (tmp_path / "no_admin_settings.py").write_text(SETTINGS)
     env = worker_env(
         DJANGO_SETTINGS_MODULE="no_admin_settings",
         PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO_ROOT)]),
         JOBS_TEST_ENGINE=engine,
+        JOBS_TEST_ADMIN="1" if admin else "",
     )
     proc = subprocess.run(
         [sys.executable, "-c", RUN, *args],
@@ -88,6 +91,13 @@ def test_jobs_work_imports_only_what_a_worker_runs(request, tmp_path, engine, ar
     assert "django_jobs.worker" in modules  # it did start a worker
     unwanted = re.compile(rf"^({NEVER}|{OTHER_ENGINES[engine]})(\.|$)")
     assert [m for m in modules if unwanted.match(m)] == []
+
+
+def test_with_the_admin_installed_a_worker_loads_no_dashboard_charts_or_scheduler(tmp_path, postgres_up):
+    modules = modules_after(tmp_path, "pg", "--verbosity", "0", "--once", admin=True)
+    assert "django_jobs.admin" in modules  # Django's admin loaded django-jobs' admin classes
+    page = re.compile(r"^django_jobs\.(admin\.dashboard_page|dashboard|charts|scheduler|schedules)$")
+    assert [m for m in modules if page.match(m)] == []
 
 
 def test_a_lease_expired_before_the_start_is_reaped_at_start(postgres_up):

@@ -12,7 +12,7 @@ from django.core.management import call_command
 from django.urls import reverse
 
 from django_jobs import Jobs, chain, group
-from django_jobs.admin.dashboard import dashboard_context
+from django_jobs.admin.dashboard_page import dashboard_context
 from django_jobs.admin.jobs import RELATED_SHOWN
 from django_jobs.models import Job
 from django_jobs.testing import run_jobs

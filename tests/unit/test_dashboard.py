@@ -15,7 +15,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from django_jobs import Jobs, charts, dashboard, limits
-from django_jobs.admin.dashboard import age_text, rate_text
+from django_jobs.admin.dashboard_page import age_text, rate_text
 from django_jobs.models import Job, Throughput
 from tests.testapp.jobs import scripted
 
