@@ -367,10 +367,21 @@ def harness_argv(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
     return argv + passthrough
 
 
+def compile_for_harness(anchors: Path, env: dict[str, str]) -> None:
+    """Compile django-jobs' modules for the harness venv's Python, as ``pip install`` does for a
+    wheel. The harness installs this checkout editable; where ``PYTHONDONTWRITEBYTECODE`` is set,
+    every worker start would otherwise compile django-jobs from source while the peers load theirs
+    compiled. ``run.sh --list`` makes the venv and installs the checkout first."""
+    subprocess.run([str(anchors / "run.sh"), "--list"], cwd=anchors, env=env, stdout=subprocess.DEVNULL, check=True)
+    python = Path(os.environ.get("BENCH_VENV", "/tmp/benchvenv")) / "bin" / "python"
+    subprocess.run([str(python), "-m", "compileall", "-q", str(REPO / "django_jobs")], check=True)
+
+
 def run_harness(anchors: Path, argv: list[str]) -> Path:
     """Run run.sh (its progress lines pass through to stderr); return the results.jsonl it wrote."""
     tmp_root = Path(os.environ.get("BENCH_TMP", "/tmp/bench_anchors"))
     env = {**os.environ, "BENCH_DJANGO_JOBS_SRC": str(REPO)}
+    compile_for_harness(anchors, env)
     cmd = [str(anchors / "run.sh"), *argv]
     log(f"$ BENCH_DJANGO_JOBS_SRC={REPO} {' '.join(cmd)}")
     started = time.time()
