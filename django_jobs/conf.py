@@ -10,7 +10,6 @@ from typing import Any, cast
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.core.signals import setting_changed
 
 BUILTIN_HANDLERS: dict[str, str] = {
     "command": "django_jobs.handlers.CommandHandler",
@@ -66,32 +65,22 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-# ``settings.JOBS`` as last read, until a setting change replaces it (the dict itself is
-# kept, so a key changed in place is read at once). The worker reads settings on every job.
-_user: dict[str, Any] | None = None
+# The values ``settings`` has read so far, its own cache, which Django empties on every change
+# (``override_settings`` and assignments included): read straight, a setting costs no
+# ``LazyObject`` attribute lookup. The worker reads settings on every job.
+_read: dict[str, Any] = object.__getattribute__(settings, "__dict__")
 
 
 def user_settings() -> dict[str, Any]:
     """``settings.JOBS`` itself (``{}`` when unset); anything but a dict is ImproperlyConfigured."""
-    global _user
-    if _user is not None:
-        return _user
-    user = getattr(settings, "JOBS", None)
+    user = _read.get("JOBS")
+    if user is None:
+        user = getattr(settings, "JOBS", None)
     if user is None:
         return {}
     if not isinstance(user, dict):
         raise ImproperlyConfigured(f"settings.JOBS must be a dict, not a {type(user).__name__}")
-    _user = user
     return user
-
-
-def _forget(setting: str, **kwargs: Any) -> None:
-    global _user
-    if setting == "JOBS":
-        _user = None
-
-
-setting_changed.connect(_forget)
 
 
 def get(key: str) -> Any:
