@@ -56,11 +56,7 @@ def _normal(value: Any) -> Any:
     return value
 
 
-# No check for circular values: a decoded message has none, and a dispatched payload was
-# encoded (and checked) before it is signed; a cycle would end as a RecursionError here.
-_CANONICAL = json.JSONEncoder(
-    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, check_circular=False
-)
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def canonical(fields: dict[str, Any]) -> bytes:
