@@ -65,9 +65,17 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+# The values ``settings`` has read so far, its own cache, which Django empties on every change
+# (``override_settings`` and assignments included): read straight, a setting costs no
+# ``LazyObject`` attribute lookup. The worker reads settings on every job.
+_read: dict[str, Any] = object.__getattribute__(settings, "__dict__")
+
+
 def user_settings() -> dict[str, Any]:
     """``settings.JOBS`` itself (``{}`` when unset); anything but a dict is ImproperlyConfigured."""
-    user = getattr(settings, "JOBS", None)
+    user = _read.get("JOBS")
+    if user is None:
+        user = getattr(settings, "JOBS", None)
     if user is None:
         return {}
     if not isinstance(user, dict):
@@ -76,7 +84,8 @@ def user_settings() -> dict[str, Any]:
 
 
 def get(key: str) -> Any:
-    """Return ``JOBS[key]`` or its default; read at call time, never cached."""
+    """Return ``JOBS[key]`` or its default, as the settings say now (``override_settings``
+    included)."""
     user = user_settings()
     if key in user:
         return user[key]

@@ -58,7 +58,10 @@ class Heartbeat:
         self.interval = max(lease_seconds / 3, 0.05)
         # Runs after a hard time limit was settled (or gave up): the worker ends its process.
         self.on_hard_timeout = on_hard_timeout
-        self._cond = threading.Condition()
+        # The condition's own lock, taken directly where nothing is notified (the per-job
+        # writes): the same exclusion without the condition's Python-level enter and exit.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._lease: Lease | None = None
         self._keep_alive: Sequence[Callable[[], None]] = ()
         self._on_abort: Callable[[str], None] | None = None
@@ -96,7 +99,7 @@ class Heartbeat:
         ``on_abort`` is called once, on this thread, with who asked, when a beat or a check
         between beats finds that the job was asked to abort."""
         now = time.monotonic()
-        with self._cond:
+        with self._lock:
             self._lease, self._keep_alive, self._on_abort = lease, keep_alive, on_abort
             self._next_beat, self._next_check = now + self.interval, now + ABORT_CHECK
 
@@ -111,7 +114,7 @@ class Heartbeat:
             self._cond.notify()
 
     def disarm(self) -> None:
-        with self._cond:
+        with self._lock:
             self._deadline = self._on_deadline = None
 
     def after(self, moment: float, action: Callable[[], None]) -> None:
@@ -127,7 +130,7 @@ class Heartbeat:
 
     def clear(self, lease: Lease) -> None:
         """The delivery of ``lease`` is over: stop beating it."""
-        with self._cond:
+        with self._lock:
             if self._lease is lease:
                 self._lease, self._keep_alive, self._on_abort = None, (), None
                 self._deadline = self._on_deadline = None

@@ -61,11 +61,12 @@ class InMemoryMetricsCollector:
         self._histograms: dict[Any, list[float]] = {}
 
     def increment(self, name: str, value: float = 1, **labels: str) -> None:
+        key = (name, tuple(labels.items())) if len(labels) < 2 else _key(name, labels)  # one label: in order
         with self._lock:
-            self._counters[_key(name, labels)] += value
+            self._counters[key] += value
 
     def observe(self, name: str, value: float, **labels: str) -> None:
-        key = _key(name, labels)
+        key = (name, tuple(labels.items())) if len(labels) < 2 else _key(name, labels)
         with self._lock:
             summary = self._histograms.setdefault(key, [0, 0.0, 0.0])
             summary[0] += 1

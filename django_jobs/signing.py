@@ -7,6 +7,7 @@ import hmac
 import json
 from decimal import Decimal
 from functools import lru_cache
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -37,6 +38,8 @@ SIGNED_FIELDS = (
     "options",
 )
 
+_signed_values = attrgetter(*SIGNED_FIELDS)
+
 
 def _normal(value: Any) -> Any:
     if type(value) in _PLAIN:  # most fields: nothing to normalise
@@ -63,7 +66,11 @@ def canonical(fields: dict[str, Any]) -> bytes:
 
 def _canonical_of(envelope: Envelope) -> bytes:
     """``canonical(envelope.signed_fields())``, read straight from the envelope."""
-    return _encoded({name: _normal(getattr(envelope, name)) for name in SIGNED_FIELDS})
+    normal = dict(zip(SIGNED_FIELDS, _signed_values(envelope), strict=True))
+    for name, value in normal.items():
+        if type(value) not in _PLAIN:  # most fields: nothing to normalise
+            normal[name] = _normal(value)
+    return _encoded(normal)
 
 
 def _encoded(normal: dict[str, Any]) -> bytes:
@@ -182,8 +189,21 @@ def verify_delivery(envelope: Envelope, queue: str) -> None:
         raise BadSignature(f"job {envelope.id!r} is signed for queue {envelope.queue!r}, delivered on {queue!r}")
 
 
+@lru_cache(maxsize=16)
+def _pads(key: bytes) -> tuple[hashlib._Hash, hashlib._Hash]:
+    # HMAC's inner and outer hashes with the key's pads already fed (RFC 2104): each MAC then
+    # copies them, so the key is not hashed again for every message.
+    block = hashlib.sha256().block_size
+    padded = (hashlib.sha256(key).digest() if len(key) > block else key).ljust(block, b"\0")
+    return hashlib.sha256(bytes(b ^ 0x36 for b in padded)), hashlib.sha256(bytes(b ^ 0x5C for b in padded))
+
+
 def _mac(key: bytes, message: bytes) -> str:
-    return hmac.digest(key, message, "sha256").hex()  # one call into OpenSSL, no HMAC object
+    start, end = _pads(key)
+    inner, outer = start.copy(), end.copy()
+    inner.update(message)
+    outer.update(inner.digest())
+    return outer.hexdigest()
 
 
 def sign(envelope: Envelope) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from _signal import getsignal as _handler_of  # type: ignore[import-not-found]  # no enum lookup
 from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any, Self
@@ -127,7 +128,7 @@ class TimeLimit:
         if self._previous is not _KEPT:
             if self._previous is not None:  # None: not installed from Python, and cannot be put back
                 signal.signal(signal.SIGALRM, self._previous)
-        elif self._interrupts and signal.getsignal(signal.SIGALRM) is not _on_alarm:
+        elif self._interrupts and _handler_of(signal.SIGALRM) is not _on_alarm:
             signal.signal(signal.SIGALRM, _on_alarm)  # the job replaced the loop's handler: back for the next
 
     def end(self) -> None:

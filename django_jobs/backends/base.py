@@ -7,7 +7,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple, Protocol
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
@@ -61,7 +61,9 @@ class Lease:
         """Seconds until the lease expires (negative once it has). An aware ``expires_at`` is
         compared with the UTC clock, a naive one (``USE_TZ = False``) with Django's."""
         expires = self.expires_at
-        now = datetime.now(UTC) if expires.tzinfo is not None else timezone.now()
+        if expires.tzinfo is not None:  # epoch seconds: no datetime made, no timedelta
+            return expires.timestamp() - time.time()
+        now: datetime = timezone.now()
         return (expires - now).total_seconds()
 
 
