@@ -59,25 +59,33 @@ def _normal(value: Any) -> Any:
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+# What a value no canonical JSON can hold raises: a non-JSON type, NaN, a lone surrogate (a
+# UnicodeEncodeError is a ValueError), nesting past the interpreter's recursion limit.
+_UNSIGNABLE = (TypeError, ValueError, OverflowError, RecursionError)
+
+
 def canonical(fields: dict[str, Any]) -> bytes:
     """Canonical JSON of the signed fields: sorted keys, no spaces, UTF-8."""
-    return _encoded({name: _normal(fields.get(name)) for name in SIGNED_FIELDS})
+    try:
+        return _CANONICAL.encode({name: _normal(fields.get(name)) for name in SIGNED_FIELDS}).encode()
+    except _UNSIGNABLE as exc:
+        raise _unsignable(exc) from exc
 
 
 def _canonical_of(envelope: Envelope) -> bytes:
     """``canonical(envelope.signed_fields())``, read straight from the envelope."""
     normal = dict(zip(SIGNED_FIELDS, _signed_values(envelope), strict=True))
-    for name, value in normal.items():
-        if type(value) not in _PLAIN:  # most fields: nothing to normalise
-            normal[name] = _normal(value)
-    return _encoded(normal)
-
-
-def _encoded(normal: dict[str, Any]) -> bytes:
     try:
+        for name, value in normal.items():
+            if type(value) not in _PLAIN:  # most fields: nothing to normalise
+                normal[name] = _normal(value)
         return _CANONICAL.encode(normal).encode()
-    except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
-        raise InvalidPayload(f"job fields cannot be signed: {exc}") from exc
+    except _UNSIGNABLE as exc:
+        raise _unsignable(exc) from exc
+
+
+def _unsignable(exc: Exception) -> InvalidPayload:
+    return InvalidPayload(f"job fields cannot be signed: {exc}")
 
 
 @lru_cache(maxsize=8)
