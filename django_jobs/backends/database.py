@@ -38,12 +38,25 @@ UNKNOWN_PREPARED_STATEMENT = "26000"  # SQLSTATE invalid_sql_statement_name
 NO_WAIT = 0.001  # seconds: a listener's shortest wait for notifications
 logger = logging.getLogger("django_jobs.backends.database")
 _RESULT = Job._meta.get_field("result")
+
+
+def _each_fenced_pg(assignments: str) -> str:
+    """PostgreSQL: an UPDATE of the rows listed by two array parameters, ids and owner tokens,
+    each row fenced on its own pair; parameters: those of ``assignments``, then the two arrays.
+
+    The rows are found by primary key whatever the table's size and statistics: the ids reach
+    the planner as ``ARRAY(SELECT …)``, whose length it cannot see, so it looks them up in the
+    index (given the array itself, or joined to it, it scans a table of a few thousand rows)."""
+    return (
+        f"UPDATE {TABLE} SET {assignments} FROM (SELECT %s::text[] AS ids, %s::text[] AS owners) AS fence "
+        f"WHERE {TABLE}.id = ANY(ARRAY(SELECT unnest(fence.ids))) "
+        f"AND {TABLE}.owner_token = fence.owners[array_position(fence.ids, {TABLE}.id::text)]"
+    )
+
+
 # Runs claimed ahead that have started: their loss counts as a run from now on. Parameters:
 # ids, owner tokens.
-BEGIN_MANY_PG = (
-    f"UPDATE {TABLE} SET claimed_ahead = 0 FROM unnest(%s::text[], %s::text[]) AS begun(id, owner) "
-    f"WHERE {TABLE}.id = begun.id AND {TABLE}.owner_token = begun.owner"
-)
+BEGIN_MANY_PG = _each_fenced_pg("claimed_ahead = 0")
 # Every settle: the row is no longer leased, nor claimed ahead.
 RELEASED = "owner_token = NULL, leased_until = NULL, claimed_ahead = 0"
 # The fence of every fast ack: a row some job waits for is acked on the transactional path,
@@ -463,10 +476,7 @@ class DatabaseBackend(LimitedBackend):
     def _ack_many_sql() -> str:
         """PostgreSQL: ack many rows, each fenced on its own (id, owner token) pair.
         Parameters: finished_at, updated_at, ids, owner tokens."""
-        return (
-            f"UPDATE {TABLE} SET {ACKED} FROM unnest(%s::text[], %s::text[]) AS acked(id, owner) "
-            f"WHERE {TABLE}.id = acked.id AND {TABLE}.owner_token = acked.owner AND NOT {TABLE}.has_dependents"
-        )
+        return f"{_each_fenced_pg(ACKED)} AND NOT {TABLE}.has_dependents"
 
     def _ack_many_params(self, leases: list[Lease]) -> list[Any]:
         now = self._adapt(timezone.now())
@@ -775,11 +785,10 @@ class DatabaseBackend(LimitedBackend):
         self._conn.close()
 
     def size(self, queue: str) -> int:
-        count: int = (
-            Job.objects.using(self.alias)
-            .filter(queue=queue, status__in=(JobStatus.WAITING, JobStatus.PENDING, JobStatus.IN_PROGRESS))
-            .count()
-        )
+        """One status at a time, OR-ed: on PostgreSQL each reads its own partial index (the
+        claim's, the lease's, the status index's), where an ``IN`` list of three would scan."""
+        unsettled = Q(status=JobStatus.WAITING) | Q(status=JobStatus.PENDING) | Q(status=JobStatus.IN_PROGRESS)
+        count: int = Job.objects.using(self.alias).filter(unsettled, queue=queue).count()
         return count
 
     def oldest_ready_age(self, queue: str) -> float | None:
