@@ -91,7 +91,9 @@ def test_a_chain_survives_the_worker_of_a_step_being_killed(backend, request):
     tag = f"chain-{uuid.uuid4().hex[:10]}"
     quick = scripted.using(backend=backend, max_retries=2, backoff={"strategy": "none"}, **kept(backend))
     steps = [quick.prepare(action="ok", key=f"{tag}-{n}", db=PG) for n in (1, 2)]
-    steps.append(quick.prepare(action="sleep", key=f"{tag}-3", db=PG, seconds=3))
+    # Long enough that the kill lands inside the step on a loaded machine (a test process
+    # scheduled seconds late once killed the worker after step 3 had completed).
+    steps.append(quick.prepare(action="sleep", key=f"{tag}-3", db=PG, seconds=8))
     steps += [quick.prepare(action="ok", key=f"{tag}-{n}", db=PG) for n in (4, 5)]
     ids = chain(*steps).dispatch()
     jobs = job_rows(backend)
@@ -101,6 +103,7 @@ def test_a_chain_survives_the_worker_of_a_step_being_killed(backend, request):
             procs.worker("--backend", backend, "--prefetch", "1", env=worker_env(LEASE))
         running = wait_until(lambda: effects(f"{tag}-3"), 60, "step 3 to start")[0]
         os.kill(running.pid, signal.SIGKILL)  # the process running step 3, mid-step
+        assert not effects(f"{tag}-4"), "the kill came after step 3 had ended"
         wait_until(lambda: jobs.filter(pk=ids[-1], status="completed").exists(), 90, "the chain's last step")
 
     keys = [run.key.rsplit("-", 1)[1] for run in effects(tag)]
