@@ -450,12 +450,14 @@ class DatabaseBackend(LimitedBackend):
             lost, done = self._settled(acks, requeues, {row[0] for row in settled})
             return lost, done, self._batch(claimed, owner, expires, queue)
         sql = (
+            # The settled ids come back once, in a row of their own (not in every claimed row).
             f"WITH done AS ({sql}), next AS ({claim_sql}) "
-            f"SELECT (SELECT array_agg(id) FROM done), next.* FROM (SELECT 1) AS one LEFT JOIN next ON TRUE"
+            f"SELECT settled.ids, next.* FROM next FULL JOIN (SELECT array_agg(id) AS ids FROM done) AS settled ON FALSE"
         )
         _, rows = self._execute_queue(sql, params + claim, prepare=True, every_row=True)
         claimed = [row[1:] for row in rows if row[1] is not None]
-        lost, done = self._settled(acks, requeues, set(rows[0][0] or ()))
+        settled = next(row[0] for row in rows if row[1] is None)
+        lost, done = self._settled(acks, requeues, set(settled or ()))
         if len(claimed) < limit and any(
             o is True and r.due <= time.time() for r, o in zip(requeues, done, strict=True)
         ):
