@@ -149,17 +149,24 @@ def _from_ms(ms: float) -> datetime:
 
 
 class RedisBackend(LimitedBackend):
-    """Options: ``URL`` (``redis://...``) or ``CACHE`` (a django-redis cache alias whose pool is
-    reused), ``PREFIX`` (default ``django_jobs``)."""
+    """Options: ``URL`` (``redis://...``, or ``redis+sentinel://...``), ``CACHE`` (a django-redis
+    cache alias whose pool is reused) or ``SENTINELS`` and ``SERVICE`` (``redis_connection.py``),
+    ``PREFIX`` (default ``django_jobs``)."""
 
     limits: redis_limits.RedisLimits
 
-    unavailable_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+    # ReadOnlyError: a primary demoted by a failover (MasterNotFoundError, while the sentinels
+    # have no primary, is a ConnectionError).
+    unavailable_errors = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError, OSError)
     supports_priority = True
     pipelines_ack_fetch = True
     supports_prefetch = True
     batches_requeues = True
     supports_dependencies = True
+
+    @classmethod
+    def options_problem(cls, options: dict[str, Any]) -> str | None:
+        return redis_connection.problem(options)
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
