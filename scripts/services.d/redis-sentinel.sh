@@ -32,20 +32,21 @@ sentinel_group_up() {
 sentinel_start_data() {
   local conf=$sentinel_dir/redis-$1.conf
   if [[ ! -f $conf ]]; then
-    {
-      echo "port $1"
-      echo "bind 127.0.0.1"
-      echo "dir $sentinel_dir"
-      echo "dbfilename dump-$1.rdb"
-      echo "appendonly yes"
-      echo "appenddirname appendonly-$1"
-      echo "appendfsync everysec"
-      echo 'save ""'
-      echo "daemonize yes"
-      echo "pidfile $sentinel_dir/redis-$1.pid"
-      echo "logfile $sentinel_dir/redis-$1.log"
-      [[ -z ${2:-} ]] || echo "replicaof 127.0.0.1 $2"
-    } >"$conf"
+    cat >"$conf" <<EOF
+port $1
+bind 127.0.0.1
+dir $sentinel_dir
+dbfilename dump-$1.rdb
+appendonly yes
+appenddirname appendonly-$1
+appendfsync everysec
+save ""
+repl-diskless-sync-delay 0
+daemonize yes
+pidfile $sentinel_dir/redis-$1.pid
+logfile $sentinel_dir/redis-$1.log
+EOF
+    [[ -z ${2:-} ]] || echo "replicaof 127.0.0.1 $2" >>"$conf"
   fi
   redis-server "$conf" </dev/null >>"$sentinel_dir/start.log" 2>&1
 }
@@ -53,18 +54,17 @@ sentinel_start_data() {
 sentinel_start_sentinel() {
   local conf=$sentinel_dir/sentinel-$1.conf
   if [[ ! -f $conf ]]; then
-    {
-      echo "port $1"
-      echo "bind 127.0.0.1"
-      echo "dir $sentinel_dir"
-      echo "daemonize yes"
-      echo "pidfile $sentinel_dir/sentinel-$1.pid"
-      echo "logfile $sentinel_dir/sentinel-$1.log"
-      echo "sentinel monitor $sentinel_service 127.0.0.1 ${sentinel_data_ports[0]} 2"
-      echo "sentinel down-after-milliseconds $sentinel_service 1000"
-      echo "sentinel failover-timeout $sentinel_service 5000"
-      echo "sentinel parallel-syncs $sentinel_service 1"
-    } >"$conf"
+    cat >"$conf" <<EOF
+port $1
+bind 127.0.0.1
+dir $sentinel_dir
+daemonize yes
+pidfile $sentinel_dir/sentinel-$1.pid
+logfile $sentinel_dir/sentinel-$1.log
+sentinel monitor $sentinel_service 127.0.0.1 ${sentinel_data_ports[0]} 2
+sentinel down-after-milliseconds $sentinel_service 1000
+sentinel failover-timeout $sentinel_service 5000
+EOF
   fi
   redis-server "$conf" --sentinel </dev/null >>"$sentinel_dir/start.log" 2>&1
 }
