@@ -455,8 +455,9 @@ class PrivateSentinelGroup:
 
     SERVICE = "mymaster"
 
-    def __init__(self) -> None:
-        self.directory = Path(tempfile.mkdtemp(prefix="sentinelprivate-"))
+    def __init__(self, directory: Path | None = None) -> None:
+        self._own_directory = directory is None
+        self.directory = Path(tempfile.mkdtemp(prefix="sentinelprivate-")) if directory is None else directory
         first = PrivateRedis(self._subdirectory("a"), FAST_SYNC)
         second = PrivateRedis(self._subdirectory("b"), [*FAST_SYNC, "--replicaof", "127.0.0.1", str(first.port)])
         self.servers = {first.port: first, second.port: second}
@@ -468,8 +469,8 @@ class PrivateSentinelGroup:
         _at_exit(self.kill)
 
     def _subdirectory(self, name: str) -> Path:
-        path = self.directory / name
-        path.mkdir()
+        path = self.directory / f"sentinel-group-{name}"
+        path.mkdir(parents=True, exist_ok=True)
         return path
 
     def start(self) -> None:
@@ -548,36 +549,37 @@ class PrivateSentinelGroup:
         except (redis.exceptions.RedisError, OSError, KeyError, ValueError):
             return False
 
-    def _switch(self, act: Any, timeout: float) -> int:
+    def _switch(self, act: Any, timeout: float) -> tuple[int, float, float]:
         """Wait for a settled group (a demoted primary takes up to 10 s to rejoin as a replica:
         the sentinels' INFO period), ``act(old port)``, then wait until the sentinels name the
-        other server; its port."""
+        other server. Its port, and when the act began and the sentinels named it (time.time())."""
         old = self.primary()
         wait_for(lambda: self._settled(old), timeout, f"the group around port {old} to settle")
+        acted = time.time()
         act(old)
         new = next(port for port in self.servers if port != old)
         wait_for(lambda: self._named(new), timeout, f"the sentinels to promote port {new}")
         self.failovers += 1
-        return new
+        return new, acted, time.time()
 
-    def failover(self, timeout: float = 60) -> int:
-        """``SENTINEL FAILOVER``; the new primary's port."""
+    def failover(self, timeout: float = 60) -> tuple[int, float, float]:
+        """``SENTINEL FAILOVER``: as ``_switch``."""
         return self._switch(
             lambda old: self._ask(self.sentinel_ports[0], "SENTINEL", "FAILOVER", self.SERVICE), timeout
         )
 
-    def kill_primary(self, timeout: float = 60) -> int:
+    def kill_primary(self, timeout: float = 60) -> tuple[int, float, float]:
         """SIGKILL the primary; once the sentinels promoted the replica, start the killed server
-        again (the sentinels make it a replica of the new primary). The new primary's port."""
+        again (the sentinels make it a replica of the new primary). As ``_switch``."""
         killed: list[int] = []
 
         def kill(old: int) -> None:
             self.servers[old].kill()
             killed.append(old)
 
-        new = self._switch(kill, timeout)
+        switched = self._switch(kill, timeout)
         self.servers[killed[0]].start()
-        return new
+        return switched
 
     def kill(self) -> None:
         for sentinel in self.sentinels:
@@ -588,9 +590,11 @@ class PrivateSentinelGroup:
             server.kill()
 
     def cleanup(self) -> None:
-        """Kill the group's processes (only those this object started) and remove its dir."""
+        """Kill the group's processes (only those this object started); remove the temp dir if
+        this object created it."""
         self.kill()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self._own_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 # -- beanstalkd ---------------------------------------------------------------------------------

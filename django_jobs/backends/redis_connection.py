@@ -10,6 +10,7 @@ client (the persistence check at start-up and in health checks) gives up after
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 from urllib.parse import unquote
@@ -28,6 +29,8 @@ PROBE_KWARGS: dict[str, Any] = {"socket_connect_timeout": PROBE_TIMEOUT, "socket
 SENTINEL_SCHEME = "redis+sentinel://"
 # A sentinel that does not answer within this many seconds is skipped for the next one.
 SENTINEL_TIMEOUT = 2.0
+# Seconds between two questions to the sentinels about who the primary is (see FollowingPool).
+RECHECK = 1.0
 # OPTIONS keys of the sentinel form that go to the primary's connections.
 SENTINEL_AUTH = {"DB": "db", "USERNAME": "username", "PASSWORD": "password"}
 
@@ -59,8 +62,31 @@ def connect(name: str, options: Mapping[str, Any], *, probe: bool = False) -> An
     found = sentinels(options)
     if found is not None:
         manager = redis.sentinel.Sentinel(found.sentinels, sentinel_kwargs=found.sentinel_kwargs)
-        return manager.master_for(found.service, **found.primary_kwargs, **kwargs)
+        return manager.master_for(found.service, connection_pool_class=FollowingPool, **found.primary_kwargs, **kwargs)
     return redis.Redis.from_url(options["URL"], **kwargs)
+
+
+SentinelConnectionPool: Any = redis.sentinel.SentinelConnectionPool
+
+
+class FollowingPool(SentinelConnectionPool):  # type: ignore[misc]
+    """redis-py's pool of connections to a Sentinel-managed primary, which asks the sentinels
+    who the primary is when a connection is made, and also at most every :data:`RECHECK` seconds
+    when one is handed out. A primary demoted while it still answers (``SENTINEL FAILOVER``, a
+    partition) keeps its clients' connections until the sentinels reconfigure it, up to 10 s
+    later, and the writes they make there are lost when it resyncs; asking closes idle
+    connections to a primary the sentinels no longer name (busy ones close when released)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked = time.monotonic()
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        now = time.monotonic()
+        if now - self.asked >= RECHECK:
+            self.asked = now
+            self.get_master_address()  # closes idle connections when the primary changed
+        return super().get_connection(*args, **kwargs)
 
 
 def problem(options: Mapping[str, Any]) -> str | None:
