@@ -85,6 +85,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="use the PostgreSQL server of --pg-host/--pg-port/--pg-user, never restarted, instead of a private one",
     )
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        default=0,
+        help="sentinel: the servers' min-replicas-to-write (default 0: a primary never refuses a write)",
+    )
     parser.add_argument("--outage", type=float, default=1.0, help="seconds a restarted server stays down (default 1)")
     parser.add_argument(
         "--timeout",
@@ -159,10 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             report["postgres_server"] = f"external {pg.host}:{pg.port} (never restarted)"
         if args.backend in ("redis", "sentinel"):
-            server = PrivateRedis(workdir) if args.backend == "redis" else PrivateSentinelGroup(workdir)
+            server = (
+                PrivateRedis(workdir) if args.backend == "redis" else PrivateSentinelGroup(workdir, args.min_replicas)
+            )
             server.start()
             env["CHAOS_REDIS_URL"] = server.url
             report["redis_version"] = _version(["redis-server", "--version"])
+            if args.backend == "sentinel":
+                report["min_replicas_to_write"] = args.min_replicas
         elif args.backend == "beanstalk":
             server = PrivateBeanstalkd(workdir)
             server.start()

@@ -273,6 +273,23 @@ def private_redis():
         server.cleanup()
 
 
+@pytest.fixture(scope="module")
+def private_sentinel():
+    """A Sentinel group of this module's own (see tests/servers.py), started: tests that fail
+    its primary over never touch the shared group of scripts/services.d/redis-sentinel.sh."""
+    import shutil
+
+    from tests.servers import PrivateSentinelGroup
+
+    require_service("redis-server", shutil.which("redis-server") is not None, "redis-server is not on PATH")
+    group = PrivateSentinelGroup()
+    try:
+        group.start()
+        yield group
+    finally:
+        group.cleanup()
+
+
 @pytest.fixture
 def private_beanstalkd(tmp_path):
     """A beanstalkd of this test's own (binlog in its tmp folder, free loopback port, see

@@ -455,11 +455,14 @@ class PrivateSentinelGroup:
 
     SERVICE = "mymaster"
 
-    def __init__(self, directory: Path | None = None) -> None:
+    def __init__(self, directory: Path | None = None, min_replicas: int = 0) -> None:
+        """``min_replicas``: the servers' ``min-replicas-to-write`` (a primary refuses writes
+        while fewer replicas are in sync with it, lagging at most 10 s)."""
         self._own_directory = directory is None
         self.directory = Path(tempfile.mkdtemp(prefix="sentinelprivate-")) if directory is None else directory
-        first = PrivateRedis(self._subdirectory("a"), FAST_SYNC)
-        second = PrivateRedis(self._subdirectory("b"), [*FAST_SYNC, "--replicaof", "127.0.0.1", str(first.port)])
+        args = [*FAST_SYNC, "--min-replicas-to-write", str(min_replicas), "--min-replicas-max-lag", "10"]
+        first = PrivateRedis(self._subdirectory("a"), args)
+        second = PrivateRedis(self._subdirectory("b"), [*args, "--replicaof", "127.0.0.1", str(first.port)])
         self.servers = {first.port: first, second.port: second}
         self.sentinel_ports = [free_port() for _ in range(3)]
         self.sentinels: list[subprocess.Popen[bytes]] = []

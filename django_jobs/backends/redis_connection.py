@@ -62,11 +62,38 @@ def connect(name: str, options: Mapping[str, Any], *, probe: bool = False) -> An
     found = sentinels(options)
     if found is not None:
         manager = redis.sentinel.Sentinel(found.sentinels, sentinel_kwargs=found.sentinel_kwargs)
-        return manager.master_for(found.service, connection_pool_class=FollowingPool, **found.primary_kwargs, **kwargs)
+        return manager.master_for(
+            found.service,
+            connection_pool_class=FollowingPool,
+            connection_class=FollowingConnection,
+            **found.primary_kwargs,
+            **kwargs,
+        )
     return redis.Redis.from_url(options["URL"], **kwargs)
 
 
 SentinelConnectionPool: Any = redis.sentinel.SentinelConnectionPool
+SentinelManagedConnection: Any = redis.sentinel.SentinelManagedConnection
+RedisConnectionError: Any = redis.ConnectionError
+
+
+class NoReplicasError(RedisConnectionError):  # type: ignore[misc]
+    """The primary refused a write: fewer replicas than its ``min-replicas-to-write`` are in
+    sync with it (``NOREPLICAS``). Nothing was written; like a lost connection, it passes."""
+
+
+class FollowingConnection(SentinelManagedConnection):  # type: ignore[misc]
+    """A connection to a Sentinel-managed primary on which a ``NOREPLICAS`` refusal is a
+    :class:`NoReplicasError`: the backend treats it as an outage (a dispatch raises
+    ``BackendUnavailable``, a worker waits and tries again), not as a failed command."""
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)
+        except redis.ResponseError as exc:
+            if str(exc).startswith("NOREPLICAS"):
+                raise NoReplicasError(str(exc)) from exc
+            raise
 
 
 class FollowingPool(SentinelConnectionPool):  # type: ignore[misc]
