@@ -80,3 +80,18 @@ def test_the_system_check_reports_a_backend_whose_sentinels_are_wrong(settings):
         errors = [e for e in check_settings() if e.id == "django_jobs.E016"]
     assert len(errors) == 1
     assert errors[0].msg.startswith("backend 'ha' needs OPTIONS['SERVICE']"), errors[0].msg
+
+
+def test_a_failover_s_errors_are_outages_not_failed_commands():
+    import redis
+
+    from django_jobs.backends.redis import RedisBackend
+
+    during = (
+        redis.exceptions.ReadOnlyError("READONLY You can't write against a read only replica."),
+        redis.sentinel.MasterNotFoundError("No master found for 'mymaster'"),
+        redis_connection.NoReplicasError("NOREPLICAS Not enough good replicas to write."),
+    )
+    for error in during:
+        assert isinstance(error, RedisBackend.unavailable_errors), error
+    assert not isinstance(redis.ResponseError("ERR wrong number of arguments"), RedisBackend.unavailable_errors)
