@@ -477,24 +477,29 @@ class PrivateSentinelGroup:
         return path
 
     def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if not binary:
-            raise RuntimeError("redis-server is not on PATH")
         for server in self.servers.values():
             server.start()
         primary = next(iter(self.servers))
         for port in self.sentinel_ports:
-            conf = self.directory / f"sentinel-{port}.conf"
-            conf.write_text(
+            (self.directory / f"sentinel-{port}.conf").write_text(
                 f"port {port}\nbind 127.0.0.1\ndir {self.directory}\n"
                 f"sentinel monitor {self.SERVICE} 127.0.0.1 {primary} 2\n"
                 f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
                 f"sentinel failover-timeout {self.SERVICE} 3000\n"
             )
+        self.start_sentinels()
+        wait_for(lambda: self._settled(primary), 60, "the private sentinels to see each other and the replica")
+
+    def start_sentinels(self) -> None:
+        """Start the sentinels from their config files (which they rewrite with what they know)."""
+        binary = shutil.which("redis-server")
+        if not binary:
+            raise RuntimeError("redis-server is not on PATH")
+        for port in self.sentinel_ports:
             log = open(self.directory / f"sentinel-{port}.log", "ab")  # noqa: SIM115 (the child keeps it)
             self.sentinels.append(
                 subprocess.Popen(
-                    [binary, str(conf), "--sentinel"],
+                    [binary, str(self.directory / f"sentinel-{port}.conf"), "--sentinel"],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -502,7 +507,15 @@ class PrivateSentinelGroup:
                 )
             )
             log.close()
-        wait_for(lambda: self._settled(primary), 60, "the private sentinels to see each other and the replica")
+        wait_for(lambda: self._named(self.primary()), 60, "the private sentinels to name the primary")
+
+    def stop_sentinels(self) -> None:
+        """SIGKILL every sentinel (the servers go on)."""
+        for sentinel in self.sentinels:
+            if sentinel.poll() is None:
+                os.kill(sentinel.pid, signal.SIGKILL)
+                sentinel.wait(10)
+        self.sentinels = []
 
     def settle(self, timeout: float = 60) -> None:
         """Wait until the group could fail over again (the demoted primary is a synced replica)."""
@@ -585,10 +598,7 @@ class PrivateSentinelGroup:
         return switched
 
     def kill(self) -> None:
-        for sentinel in self.sentinels:
-            if sentinel.poll() is None:
-                os.kill(sentinel.pid, signal.SIGKILL)
-                sentinel.wait(10)
+        self.stop_sentinels()
         for server in self.servers.values():
             server.kill()
 

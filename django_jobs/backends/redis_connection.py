@@ -29,8 +29,10 @@ PROBE_KWARGS: dict[str, Any] = {"socket_connect_timeout": PROBE_TIMEOUT, "socket
 SENTINEL_SCHEME = "redis+sentinel://"
 # A sentinel that does not answer within this many seconds is skipped for the next one.
 SENTINEL_TIMEOUT = 2.0
-# Seconds between two questions to the sentinels about who the primary is (see FollowingPool).
+# Seconds between two questions to the sentinels about who the primary is (see FollowingPool),
+# and after a question they took longer than that to leave unanswered.
 RECHECK = 1.0
+SLOW_SENTINELS = 30.0
 # OPTIONS keys of the sentinel form that go to the primary's connections.
 SENTINEL_AUTH = {"DB": "db", "USERNAME": "username", "PASSWORD": "password"}
 
@@ -106,13 +108,21 @@ class FollowingPool(SentinelConnectionPool):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.asked = time.monotonic()
+        self.next_question = time.monotonic() + RECHECK
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        now = time.monotonic()
-        if now - self.asked >= RECHECK:
-            self.asked = now
-            self.get_master_address()  # closes idle connections when the primary changed
+        asked = time.monotonic()
+        if asked >= self.next_question:
+            pause = RECHECK
+            try:
+                self.get_master_address()  # closes idle connections when the primary changed
+            except redis.ConnectionError:
+                # The sentinels cannot say (no primary yet, or none answers): keep the connections,
+                # which fail by themselves if the primary is gone. Sentinels that time out are
+                # asked less often, or every command would wait for them.
+                if time.monotonic() - asked >= RECHECK:
+                    pause = SLOW_SENTINELS
+            self.next_question = time.monotonic() + pause
         return super().get_connection(*args, **kwargs)
 
 

@@ -6,7 +6,8 @@ on the shared group) and the flows tests; workers following failovers while they
 chaos battery's ``failover`` scenario (tests/processes/test_chaos_short.py). This file covers
 what a client of one process sees: after a failover it talks to the new primary, its Lua scripts
 load again there, a killed primary is an outage (never a failed command), and a primary that
-refuses writes for want of replicas (``min-replicas-to-write``) is one too.
+refuses writes for want of replicas (``min-replicas-to-write``) is one too, and a primary
+whose sentinels do not answer goes on serving.
 """
 
 from __future__ import annotations
@@ -112,3 +113,18 @@ def test_a_primary_short_of_replicas_refuses_a_dispatch_as_unavailable(private_s
     assert backend.size("default") == 0  # nothing was written
     backend.enqueue(job())
     assert backend.size("default") == 1
+
+
+def test_the_backend_keeps_working_while_no_sentinel_answers(private_sentinel, backend):
+    backend.enqueue(job())  # connected: the sentinels named the primary
+    private_sentinel.stop_sentinels()
+    try:
+        # Past RECHECK the client asks them again; unanswered, it keeps its primary.
+        time.sleep(RECHECK + 0.1)
+        lease = backend.fetch("default")
+        assert lease is not None
+        backend.ack(lease)
+        backend.enqueue(job())
+        assert backend.size("default") == 1
+    finally:
+        private_sentinel.start_sentinels()
