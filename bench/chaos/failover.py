@@ -22,7 +22,8 @@ within ``RECHECK + WINDOW`` seconds after the sentinels named the new primary (a
 them every ``RECHECK`` seconds, and writes to the old primary until then); any other missing
 job is *unexplained* (a bug). A job that ran twice is blamed on the event
 around its first run (a lost acknowledgement or claim: it runs again, as after a worker crash).
-Published: acknowledged, refused, lost (explained / unexplained), duplicates by event, the time
+Published: acknowledged, refused, lost (explained / unexplained, and when each event's were
+acknowledged relative to its start), duplicates by event, the time
 from each promotion to the first job finished after it (``resumed_after_s``), worker log counts.
 """
 
@@ -105,6 +106,12 @@ def failover(ctx: Context) -> dict[str, Any]:
     return _analyse(ctx, fleet, acked, refused, events, origin, drained, exit_codes)
 
 
+def within(event: Event, moment: float) -> bool:
+    """Whether a write acknowledged at ``moment`` may be lost to ``event``: just before, during
+    or just after it."""
+    return event.t0 - WINDOW <= moment <= event.t1 + RECHECK + WINDOW
+
+
 def _analyse(
     ctx: Context,
     fleet: Any,
@@ -118,13 +125,17 @@ def _analyse(
     effects = effects_by_job()
 
     def around(moment: float) -> str | None:
-        """The event whose window holds ``moment`` (acknowledged just before, during or just
-        after it)."""
-        return next((e.kind for e in events if e.t0 - WINDOW <= moment <= e.t1 + RECHECK + WINDOW), None)
+        return next((e.kind for e in events if within(e, moment)), None)
 
     lost = [job for job in acked if not effects.get(job)]
     explained = Counter(around(acked[job]) for job in lost)
     unexplained = explained.pop(None, 0)
+    # When each event's lost jobs were acknowledged, relative to its start: [first, last] (s).
+    lost_when: dict[str, list[float]] = {}
+    for e in events:
+        offsets = [acked[job] - e.t0 for job in lost if within(e, acked[job])]
+        if offsets:
+            lost_when[f"{e.kind}@{round(e.t0 - origin, 1)}"] = [round(min(offsets), 3), round(max(offsets), 3)]
     duplicates: Counter[str] = Counter()
     for job in acked:
         runs = effects.get(job, [])
@@ -147,6 +158,7 @@ def _analyse(
         "lost": len(lost),
         "lost_explained_by_event": dict(explained),
         "lost_unexplained": unexplained,
+        "lost_acknowledged_s_after_event_start": lost_when,
         "lost_ids": [{"id": job, "acked": round(acked[job] - origin, 3)} for job in lost[:20]],
         "duplicate_jobs": sum(duplicates.values()),
         "duplicates_by_event": dict(duplicates),
