@@ -12,7 +12,8 @@ Chaos (in a thread, so dispatching goes on meanwhile), ``ROUNDS`` rounds (1 with
 ``SENTINEL FAILOVER`` 2 s after the start, then, once the demoted primary has rejoined as a
 synced replica, a SIGKILL of the primary (the sentinels promote the replica after
 ``down-after-milliseconds``, 1 s; the killed server is then started again and rejoins as a
-replica).
+replica). ``PAUSE`` seconds separate a promotion from the next event, so that their windows
+(below) do not overlap.
 
 Checked from the side effects (``chaos_effect``): every job whose dispatch was acknowledged ran.
 Replication is asynchronous: a write the old primary acknowledged but had not sent to the
@@ -20,8 +21,10 @@ replica when it stopped serving is gone. An acknowledged dispatch missing that w
 when it was acknowledged within ``WINDOW`` seconds before the event began, during it, or
 within ``RECHECK + WINDOW`` seconds after the sentinels named the new primary (a client asks
 them every ``RECHECK`` seconds, and writes to the old primary until then); any other missing
-job is *unexplained* (a bug). A job that ran twice is blamed on the event
-around its first run (a lost acknowledgement or claim: it runs again, as after a worker crash).
+job is *unexplained* (a bug). A loss is blamed on the latest event whose window holds it. A job
+that ran twice is blamed on the latest event begun by its first run's end, until ``2 x
+LEASE_TIMEOUT`` past the promotion (a lost acknowledgement or claim: it runs again, as after a
+worker crash).
 Published: acknowledged, refused, lost (explained / unexplained, and when each event's were
 acknowledged relative to its start), duplicates by event, the time
 from each promotion to the first job finished after it (``resumed_after_s``), worker log counts.
@@ -47,6 +50,8 @@ EVERY = 0.1  # seconds between dispatches
 # the sentinels named the new primary, on top of RECHECK, within which a client may still write
 # to the old one (demoted while it still answers).
 WINDOW = 1.0
+# Seconds from a promotion to the next event: their windows do not overlap.
+PAUSE = RECHECK + 2 * WINDOW
 
 
 def failover(ctx: Context) -> dict[str, Any]:
@@ -72,7 +77,7 @@ def failover(ctx: Context) -> dict[str, Any]:
                     port, acted, named = act()
                     events.append(Event(kind, acted, named, []))
                     log(f"failover: {kind} -> primary on port {port} after {named - acted:.1f}s")
-                    time.sleep(1)
+                    time.sleep(PAUSE)
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             failures.append(exc)
 
@@ -106,12 +111,6 @@ def failover(ctx: Context) -> dict[str, Any]:
     return _analyse(ctx, fleet, acked, refused, events, origin, drained, exit_codes)
 
 
-def within(event: Event, moment: float) -> bool:
-    """Whether a write acknowledged at ``moment`` may be lost to ``event``: just before, during
-    or just after it."""
-    return event.t0 - WINDOW <= moment <= event.t1 + RECHECK + WINDOW
-
-
 def _analyse(
     ctx: Context,
     fleet: Any,
@@ -124,32 +123,33 @@ def _analyse(
 ) -> dict[str, Any]:
     effects = effects_by_job()
 
-    def around(moment: float) -> str | None:
-        return next((e.kind for e in events if within(e, moment)), None)
+    def label(event: Event) -> str:
+        return f"{event.kind}@{round(event.t0 - origin, 1)}"
+
+    def latest(moment: float, after: float) -> Event | None:
+        """The latest event begun by ``moment`` (give or take WINDOW) whose window, ending
+        ``after`` seconds past its promotion, still holds it."""
+        return next((e for e in reversed(events) if e.t0 - WINDOW <= moment <= e.t1 + after), None)
 
     lost = [job for job in acked if not effects.get(job)]
-    explained = Counter(around(acked[job]) for job in lost)
+    blamed = {job: latest(acked[job], RECHECK + WINDOW) for job in lost}
+    explained = Counter(e.kind if e else None for e in blamed.values())
     unexplained = explained.pop(None, 0)
     # When each event's lost jobs were acknowledged, relative to its start: [first, last] (s).
     lost_when: dict[str, list[float]] = {}
     for e in events:
-        offsets = [acked[job] - e.t0 for job in lost if within(e, acked[job])]
+        offsets = [acked[job] - e.t0 for job, blame in blamed.items() if blame is e]
         if offsets:
-            lost_when[f"{e.kind}@{round(e.t0 - origin, 1)}"] = [round(min(offsets), 3), round(max(offsets), 3)]
+            lost_when[label(e)] = [round(min(offsets), 3), round(max(offsets), 3)]
     duplicates: Counter[str] = Counter()
     for job in acked:
         runs = effects.get(job, [])
         if len(runs) > 1:
             # A lost acknowledgement: the run ended around the event, its ack did not survive it.
-            first_done = runs[0][3]
-            duplicates[
-                next((e.kind for e in events if e.t0 - WINDOW <= first_done <= e.t1 + 2 * ctx.lease), "other")
-            ] += 1
+            blame = latest(runs[0][3], 2 * ctx.lease)
+            duplicates[blame.kind if blame else "other"] += 1
     finished = sorted(done for job_runs in effects.values() for *_x, done in job_runs)
-    resumed = {
-        f"{e.kind}@{round(e.t0 - origin, 1)}": next((round(done - e.t1, 3) for done in finished if done > e.t1), None)
-        for e in events
-    }
+    resumed = {label(e): next((round(done - e.t1, 3) for done in finished if done > e.t1), None) for e in events}
     return {
         "jobs_acknowledged": len(acked),
         "dispatches_refused_jobs": refused,
