@@ -7,6 +7,7 @@ Fixtures that several test modules share live here, or in the plugin modules of
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 from hypothesis import settings as hypothesis_settings
@@ -93,9 +94,7 @@ def redis_up():
 
     require_service("Redis", *redis_reachable())
     client = redis.Redis.from_url(settings.REDIS_URL)
-    stale = list(client.scan_iter(match=f"{settings.REDIS_PREFIX}:*", count=1000))
-    if stale:
-        client.delete(*stale)
+    _delete_prefixed(client, settings.REDIS_PREFIX)
     yield client
     client.close()
 
@@ -112,6 +111,51 @@ def redis_backend(redis_up):
     left = list(redis_up.scan_iter(match=f"{instance.prefix}:*", count=1000))
     if left:
         redis_up.delete(*left)
+
+
+def _sentinel_client() -> Any:
+    from django.conf import settings
+
+    from django_jobs.backends import redis_connection
+
+    return redis_connection.connect("sentinel", settings.SENTINEL_BACKEND["OPTIONS"], probe=True)
+
+
+@pytest.fixture
+def sentinel_up():
+    """The Sentinel group of scripts/services.d/redis-sentinel.sh names a primary that answers;
+    this session's keys on it are gone before and after the test. Its client."""
+    from django.conf import settings
+
+    client = _sentinel_client()
+    try:
+        client.ping()
+    except Exception as exc:  # noqa: BLE001
+        client.close()
+        require_service("Redis Sentinel", False, f"{settings.SENTINEL_URL}: {exc}")
+    _delete_prefixed(client, settings.REDIS_PREFIX)
+    yield client
+    _delete_prefixed(client, settings.REDIS_PREFIX)
+    client.close()
+
+
+def _delete_prefixed(client: Any, prefix: str) -> None:
+    stale = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    if stale:
+        client.delete(*stale)
+
+
+@pytest.fixture
+def sentinel_backend(sentinel_up, monkeypatch):
+    """The ``redis_sentinel`` backend in JOBS["BACKENDS"], here and in the worker subprocesses
+    the test starts (``JOBS_TEST_SENTINEL=1`` in the environment they copy)."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    monkeypatch.setenv("JOBS_TEST_SENTINEL", "1")
+    backends = {**settings.JOBS["BACKENDS"], "redis_sentinel": settings.SENTINEL_BACKEND}
+    with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends}):
+        yield
 
 
 def _beanstalk_reachable(host: str, port: int) -> bool:
@@ -227,6 +271,23 @@ def private_redis():
         yield RedisForTests(server)
     finally:
         server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def private_sentinel():
+    """A Sentinel group of this module's own (see tests/servers.py), started: tests that fail
+    its primary over never touch the shared group of scripts/services.d/redis-sentinel.sh."""
+    import shutil
+
+    from tests.servers import PrivateSentinelGroup
+
+    require_service("redis-server", shutil.which("redis-server") is not None, "redis-server is not on PATH")
+    group = PrivateSentinelGroup()
+    try:
+        group.start()
+        yield group
+    finally:
+        group.cleanup()
 
 
 @pytest.fixture

@@ -86,9 +86,9 @@ class Probe:
         self.backend.close()
 
     def _redis(self) -> Any:
-        import redis
+        from django_jobs.backends import redis_connection
 
-        return redis.Redis.from_url(self.server.url, socket_connect_timeout=2)
+        return redis_connection.connect("probe", {"URL": self.server.url}, probe=True)
 
     def _tube(self, queue: str) -> Any:
         import greenstalk

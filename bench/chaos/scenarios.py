@@ -1,4 +1,4 @@
-"""The eight scenarios of the chaos battery. Each returns a JSON-able dict of figures.
+"""The nine scenarios of the chaos battery. Each returns a JSON-able dict of figures.
 
 Times are ``time.time()`` (the workers stamp their runs with the same clock); figures given
 relative to a run's start are in seconds.
@@ -945,6 +945,7 @@ def _soak_sample(ctx: Context, fleet: Fleet, t: float) -> dict[str, Any]:
 
 
 from .dbrestart import dbrestart  # they use the helpers above: imported last
+from .failover import failover
 from .flows import flows
 from .stalls import stall
 
@@ -957,4 +958,5 @@ SCENARIOS = {
     "dbrestart": dbrestart,
     "flows": flows,
     "stall": stall,
+    "failover": failover,
 }

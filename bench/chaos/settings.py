@@ -1,10 +1,11 @@
 """Django settings for the chaos battery (bench/chaos_battery.py). Everything comes from CHAOS_* variables,
 which the driver sets for itself and passes to every ``jobs_work`` subprocess:
 
-CHAOS_BACKEND        postgres | redis | beanstalk: the engine of the one JOBS backend, ``chaos``
+CHAOS_BACKEND        postgres | redis | sentinel | beanstalk: the engine of the one JOBS backend, ``chaos``
 CHAOS_PG_NAME        the dedicated PostgreSQL database (created and dropped by the driver)
 CHAOS_PG_HOST/PORT/USER/PASSWORD   its server (default 127.0.0.1:5432, user postgres)
-CHAOS_REDIS_URL      the PRIVATE redis-server the driver started (redis backend)
+CHAOS_REDIS_URL      the PRIVATE redis-server the driver started (redis backend), or the
+                     redis+sentinel:// URL of its PRIVATE Sentinel group (sentinel backend)
 CHAOS_BEANSTALK      host:port of the PRIVATE beanstalkd the driver started (beanstalk backend)
 CHAOS_PREFIX         key / tube prefix
 CHAOS_LEASE_TIMEOUT  LEASE_TIMEOUT in seconds (small, so stalls and crashes are recovered fast)
@@ -43,7 +44,7 @@ DATABASES = {
 PREFIX = os.environ.get("CHAOS_PREFIX", "chaos")
 if BACKEND == "postgres":
     ENGINE = {"ENGINE": "database", "OPTIONS": {"DATABASE": "default"}}
-elif BACKEND == "redis":
+elif BACKEND in ("redis", "sentinel"):  # sentinel: CHAOS_REDIS_URL is a redis+sentinel:// URL
     ENGINE = {
         "ENGINE": "redis",
         "OPTIONS": {"URL": os.environ.get("CHAOS_REDIS_URL", "redis://127.0.0.1:6379/0"), "PREFIX": PREFIX},
@@ -52,7 +53,7 @@ elif BACKEND == "beanstalk":
     _host, _, _port = os.environ.get("CHAOS_BEANSTALK", "127.0.0.1:11300").partition(":")
     ENGINE = {"ENGINE": "beanstalk", "OPTIONS": {"HOST": _host, "PORT": int(_port), "PREFIX": PREFIX}}
 else:
-    raise RuntimeError(f"CHAOS_BACKEND must be postgres, redis or beanstalk, not {BACKEND!r}")
+    raise RuntimeError(f"CHAOS_BACKEND must be postgres, redis, sentinel or beanstalk, not {BACKEND!r}")
 
 JOBS = {
     "DEFAULT_BACKEND": "chaos",

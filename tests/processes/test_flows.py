@@ -31,7 +31,10 @@ pytestmark = [
 BACKENDS = [
     pytest.param("pg", id="database-postgres"),
     pytest.param("redis", id="redis"),
+    pytest.param("redis_sentinel", id="redis-sentinel"),
 ]
+# The fixture that brings each broker up (and, for Sentinel, adds its backend to the settings).
+SERVICE = {"redis": "redis_up", "redis_sentinel": "sentinel_backend"}
 LEASE = 2.0
 MEMBERS = 1000
 WORKERS = 3
@@ -53,8 +56,8 @@ def job_rows(backend: str) -> QuerySet[Job]:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_group_callback_runs_once_after_every_member(backend, request):
-    if backend == "redis":
-        request.getfixturevalue("redis_up")
+    if backend in SERVICE:
+        request.getfixturevalue(SERVICE[backend])
     tag = f"group-{uuid.uuid4().hex[:10]}"
     members = [
         flow_step.using(backend=backend, **kept(backend)).prepare(None, f"{tag}-m{i}", PG) for i in range(MEMBERS)
@@ -86,8 +89,8 @@ def test_a_group_callback_runs_once_after_every_member(backend, request):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_chain_survives_the_worker_of_a_step_being_killed(backend, request):
-    if backend == "redis":
-        request.getfixturevalue("redis_up")
+    if backend in SERVICE:
+        request.getfixturevalue(SERVICE[backend])
     tag = f"chain-{uuid.uuid4().hex[:10]}"
     quick = scripted.using(backend=backend, max_retries=2, backoff={"strategy": "none"}, **kept(backend))
     steps = [quick.prepare(action="ok", key=f"{tag}-{n}", db=PG) for n in (1, 2)]
