@@ -182,6 +182,17 @@ class Envelope:
         data["available_at"] = self.available_at.timestamp() if self.available_at else None
         return _WIRE.encode(data).encode()
 
+    def size_at_most(self, payload_size: int) -> int | None:
+        """A bound of ``len(self.to_bytes())`` worked out without encoding, given the length of
+        the payload's JSON (:func:`dumps_payload`, as ``to_bytes`` writes it); ``None`` when the
+        envelope has options (their JSON is not known without encoding them). Each character of
+        a text field takes at most 12 bytes (an astral one, two ``\\uXXXX``); the field names,
+        numbers and punctuation take less than ``_WIRE_FIXED``."""
+        if self.options:
+            return None
+        texts = (self.id, self.handler, self.queue, self.name, self.idempotency_key or "", self.signature)
+        return payload_size + 12 * sum(map(len, texts)) + _WIRE_FIXED
+
     @classmethod
     def from_bytes(cls, raw: bytes | str, limit: int | None = None) -> Envelope:
         """Decode bytes from a broker. Raises :class:`InvalidPayload` on anything malformed.
@@ -225,6 +236,9 @@ class Envelope:
 
 _WIRE_FIELDS = tuple(f.name for f in fields(Envelope) if f.metadata.get("wire", True))
 _WIRE = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+# More than what ``to_bytes`` writes besides the payload and the text fields: every field's name
+# and punctuation (about 170 bytes) and the numbers (each at most 25 characters).
+_WIRE_FIXED = 512
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "id": (str,),

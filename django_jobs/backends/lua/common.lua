@@ -54,6 +54,17 @@ local function requeue(id, due, now)
   end
 end
 
+-- Store a message and make it ready (or delayed until `due`, ms). A re-dispatched id leaves
+-- the failed set, and an abort asked of an earlier run of it no longer applies.
+local function store(id, body, priority, due, now)
+  redis.call('HSET', bodies_key, id, body)
+  redis.call('HSET', priorities_key, id, priority)
+  redis.call('ZREM', failed_key, id)
+  redis.call('HDEL', errors_key, id)
+  redis.call('HDEL', aborts_key, id)
+  requeue(id, due, now)
+end
+
 -- Requeue the leased message `id` (fenced on `owner`) with its new body, due at `due`: 1; 0
 -- when the lease is lost. A message asked to abort is not requeued: returns who asked, the
 -- lease still held (the worker settles it cancelled).
