@@ -234,6 +234,15 @@ def test_changing_a_signed_field_breaks_the_signature(field, value):
         signing.verify(Envelope.from_bytes(tampered.to_bytes()))
 
 
+def test_a_tuple_signs_as_the_list_the_wire_carries():
+    # A tuple travels as a JSON list, and an integral float may come back as an int.
+    env = full_envelope(payload={"args": [(1.0, 2)], "kwargs": {"t": [(0.5, (3.0,))]}})
+    delivered = Envelope.from_bytes(env.to_bytes())
+    assert delivered.payload == {"args": [[1.0, 2]], "kwargs": {"t": [[0.5, [3.0]]]}}
+    signing.verify(delivered)
+    signing.verify(replace(delivered, payload={"args": [[1, 2]], "kwargs": {"t": [[0.5, [3]]]}}))
+
+
 def test_attempts_and_available_at_are_outside_the_signature():
     env = full_envelope()
     requeued = replace(env, attempts=env.attempts + 1, available_at=env.available_at + timedelta(hours=1))
