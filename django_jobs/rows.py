@@ -60,12 +60,12 @@ def insert(
     if key not in _INSERTS:  # worked out once: a dispatch and a history row each send one
         fields = [f for f in model._meta.concrete_fields if f.attname in values]
         row = ", ".join(["%s"] * len(fields) + [literal(value) for value in fixed.values()])
-        _INSERTS[key] = (f"{_head(connection, model, fields, fixed)} VALUES ({row})", fields)
-    sql, fields = _INSERTS[key]
+        _INSERTS[key] = (f"{_head(connection, model, fields, fixed)} VALUES ({row})", _typed(fields))
+    sql, columns = _INSERTS[key]
     if async_commit and commits_async(connection):
         sql += ASYNC_COMMIT
     with connection.cursor() as cursor:
-        cursor.execute(sql, [_prepare(f, values[f.attname], connection) for f in fields])
+        cursor.execute(sql, [_prepare(f, kind, values[f.attname], connection) for f, kind in columns])
 
 
 def insert_many(
@@ -90,7 +90,8 @@ def insert_many(
     with connection.cursor() as cursor:
         if connection.vendor != "postgresql":
             row = f"({', '.join(['%s'] * len(fields) + literals)})"
-            rows = [[_prepare(f, one[f.attname], connection) for f in fields] for one in values]
+            columns = _typed(fields)
+            rows = [[_prepare(f, kind, one[f.attname], connection) for f, kind in columns] for one in values]
             cursor.executemany(f"{head} VALUES {row}", rows)
             return
         tail = ASYNC_COMMIT if async_commit and commits_async(connection) else ""
@@ -127,27 +128,32 @@ def _unnest(
     unnested: list[str] = []
     constants: list[Any] = []
     arrays: list[list[Any]] = []
-    for f in fields:
+    for f, kind in _typed(fields):
         # The type without its length (varchar, not varchar(64)), as Django's bulk_create.
-        kind = f.db_type(connection).split("(")[0]
+        sql_type = f.db_type(connection).split("(")[0]
         column = [one[f.attname] for one in batch]
         if column.count(column[0]) == len(column):
-            selected.append(f"%s::{kind}")
-            constants.append(_prepare(f, column[0], connection))
+            selected.append(f"%s::{sql_type}")
+            constants.append(_prepare(f, kind, column[0], connection))
         else:
             selected.append(f"batch.c{len(arrays)}")
-            unnested.append(f"%s::{kind}[]")
-            arrays.append([_prepare(f, value, connection) for value in column])
+            unnested.append(f"%s::{sql_type}[]")
+            arrays.append([_prepare(f, kind, value, connection) for value in column])
     selected += literals
     source = f" FROM UNNEST({', '.join(unnested)}) AS batch({', '.join(f'c{i}' for i in range(len(arrays)))})"
     return f"{head} SELECT {', '.join(selected)}{source if arrays else ''}", [*constants, *arrays]
 
 
-def _prepare(field: Any, value: Any, connection: Any) -> Any:
+def _typed(fields: list[Any]) -> list[tuple[Any, type | None]]:
+    """Each field with its plain type (:func:`_plain_type`), looked up once per statement."""
+    return [(f, _plain_type(f)) for f in fields]
+
+
+def _prepare(field: Any, kind: type | None, value: Any, connection: Any) -> Any:
     """``value`` as ``field`` prepares it for ``connection``: ``None``, or a value of the very
     type the field stores as it is (a str of a text field, an int of an integer field, ...),
     needs no field to tell so."""
-    if value is None or type(value) is _plain_type(field):
+    if value is None or type(value) is kind:
         return value
     return field.get_db_prep_save(value, connection)
 
@@ -166,7 +172,7 @@ _STORED_AS_IS: tuple[tuple[tuple[type, ...], type], ...] = (
     ((models.BooleanField,), bool),
     ((models.FloatField,), float),
 )
-# Each field's plain type, worked out once (every row asks for every field).
+# Each field's plain type, worked out once.
 _PLAIN_TYPES: dict[Any, type | None] = {}
 
 
@@ -192,4 +198,4 @@ def chunked(values: Sequence[T], size: int = IDS_PER_STATEMENT) -> Iterator[Sequ
 
 # (database alias, model, attribute names, fixed columns) -> the INSERT statement and its
 # fields, in order.
-_INSERTS: dict[tuple[str, str, tuple[str, ...], tuple[tuple[str, Any], ...]], tuple[str, list[Any]]] = {}
+_INSERTS: dict[tuple[str, str, tuple[str, ...], tuple[tuple[str, Any], ...]], tuple[str, list[tuple[Any, type | None]]]] = {}
