@@ -198,4 +198,6 @@ def chunked(values: Sequence[T], size: int = IDS_PER_STATEMENT) -> Iterator[Sequ
 
 # (database alias, model, attribute names, fixed columns) -> the INSERT statement and its
 # fields, in order.
-_INSERTS: dict[tuple[str, str, tuple[str, ...], tuple[tuple[str, Any], ...]], tuple[str, list[tuple[Any, type | None]]]] = {}
+_INSERTS: dict[
+    tuple[str, str, tuple[str, ...], tuple[tuple[str, Any], ...]], tuple[str, list[tuple[Any, type | None]]]
+] = {}
