@@ -4,7 +4,8 @@ For each engine it prints, from one process (the figures of a shared machine are
 them within a run, never with another machine's):
 
 - ``--n`` dispatches one by one (``noop.dispatch(i)``, as the anchors harness enqueues), in
-  autocommit: dispatches per second;
+  autocommit: dispatches per second, and the CPU time of this process per dispatch (what the
+  waits for the server leave out: steadier than the wall time on a shared machine);
 - one ``Jobs.bulk`` of ``--n`` builders (their making included): jobs per second, and how many
   times the one-by-one rate that is;
 - a ``cProfile`` of ``--profile`` dispatches one by one: the functions that cost the most time
@@ -43,14 +44,14 @@ BACKENDS = {
 }
 
 
-def one_by_one(n: int) -> float:
-    """Dispatches per second of ``n`` dispatches, one call each."""
+def one_by_one(n: int) -> tuple[float, float]:
+    """Dispatches per second of ``n`` dispatches, one call each, and µs of CPU per dispatch."""
     from bench.history_cost_jobs import noop
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for i in range(n):
         noop.dispatch(i)
-    return n / (time.perf_counter() - start)
+    return n / (time.perf_counter() - start), (time.process_time() - cpu) / n * 1e6
 
 
 def bulk(n: int) -> float:
@@ -114,11 +115,11 @@ def main() -> None:
             for engine in engines:
                 with override_settings(JOBS={**settings.JOBS, "DEFAULT_BACKEND": engine}):
                     one_by_one(200)  # connect, load the scripts, warm the caches
-                    single = one_by_one(args.n)
+                    single, cpu = one_by_one(args.n)
                     many = bulk(args.n)
                     table = profile(args.profile, args.top)
                 print(f"## {engine}\n")
-                print(f"one by one: {single:,.0f} dispatches/s ({1e6 / single:.0f} µs each)")
+                print(f"one by one: {single:,.0f} dispatches/s ({1e6 / single:.0f} µs each, {cpu:.0f} µs of CPU)")
                 print(f"bulk of {args.n:,}: {many:,.0f} jobs/s, {many / single:.1f}x one by one\n")
                 print(table, "\n")
         finally:
