@@ -14,7 +14,13 @@ them within a run, never with another machine's):
 It uses the PostgreSQL database ``bench_dispatch_cost`` (dropped and created again) and Redis
 DB 0 under a prefix of its own, whose keys it deletes at the end.
 
+``--python-only`` measures django-jobs' own Python instead, which the machine's load hardly
+moves: on Redis, with redis-py's command execution replaced by a stub that sends nothing (the
+same stub for any version of django-jobs, pipelines included), the best of 5 timings of a
+dispatch and of a bulk's job, in µs.
+
     python bench/dispatch_cost.py [--n 5000] [--profile 2000] [--top 20] [--engines postgres,redis]
+    python bench/dispatch_cost.py --python-only
 
 Not a test: nothing asserts on time.
 """
@@ -87,6 +93,26 @@ def profile(n: int, top: int) -> str:
     return "\n".join(lines)
 
 
+def python_only(n: int) -> None:
+    """Print the µs of django-jobs' Python per Redis dispatch, one by one and in a bulk, with
+    nothing sent (see the module's docstring)."""
+    import timeit
+
+    import redis.client
+
+    from bench.history_cost_jobs import noop
+    from django_jobs import Jobs
+
+    redis.Redis.execute_command = lambda self, *args, **options: 1  # type: ignore[method-assign]
+    redis.client.Pipeline.execute = lambda self, raise_on_error=True: [1] * len(self.command_stack)  # type: ignore[method-assign]
+    noop.dispatch(0)
+    single = min(timeit.repeat(lambda: noop.dispatch(1), number=n, repeat=5)) / n
+    many = min(timeit.repeat(lambda: Jobs.bulk([noop.builder(i) for i in range(n)]), number=1, repeat=5)) / n
+    print(
+        f"django-jobs' Python per Redis dispatch: {single * 1e6:.1f} µs one by one, {many * 1e6:.1f} µs a job in a bulk"
+    )
+
+
 def clean_redis() -> None:
     import redis
 
@@ -101,8 +127,9 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=2000, help="dispatches profiled")
     parser.add_argument("--top", type=int, default=20, help="functions shown")
     parser.add_argument("--engines", default="postgres,redis")
+    parser.add_argument("--python-only", action="store_true", help="django-jobs' own Python on Redis, nothing sent")
     args = parser.parse_args()
-    engines = args.engines.split(",")
+    engines = ["redis"] if args.python_only else args.engines.split(",")
     recreate_postgres(DATABASE)
     with tempfile.TemporaryDirectory() as workdir:
         configure("postgres", workdir, DATABASE, BACKENDS={e: BACKENDS[e] for e in engines}, DEFAULT_BACKEND=engines[0])
@@ -111,6 +138,9 @@ def main() -> None:
         from django.test import override_settings
 
         call_command("migrate", verbosity=0)
+        if args.python_only:
+            python_only(args.n)
+            return
         try:
             for engine in engines:
                 with override_settings(JOBS={**settings.JOBS, "DEFAULT_BACKEND": engine}):
