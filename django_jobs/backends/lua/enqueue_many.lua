@@ -1,7 +1,9 @@
--- Store many messages of one queue (common.lua's store): ARGV[1] is now (ms), then id, body,
--- priority and due (ms) of each message in turn. Returns how many it stored.
-local now = tonumber(ARGV[1])
-for i = 2, #ARGV, 4 do
-  store(ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]), now)
+-- Store many messages of one queue (common.lua's store), each ready or delayed until due.
+-- The arguments after `now` are the id, body, priority and due time (ms) of each message in turn.
+local now = tonumber(ARGV[1])   -- ms
+local messages = ARGV
+
+for i = 2, #messages, 4 do
+  store(messages[i], messages[i + 1], messages[i + 2], tonumber(messages[i + 3]), now)
 end
-return (#ARGV - 1) / 4
+return (#messages - 1) / 4
