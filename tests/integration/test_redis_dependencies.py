@@ -367,7 +367,7 @@ def test_the_sweep_resolves_a_child_whose_attach_never_happened(backend, parent_
     parent = job(backend, action="raise" if parent_ends == "failed" else "ok", max_retries=0)
     child = scripted.using(backend="redis").builder(action="ok").depends_on(parent.id).build()
     pipe = backend.client.pipeline()
-    backend._push(child, pipe)
+    backend._block(child, pipe)
     pipe.execute()  # stored blocked; the process died before attaching it
     if parent_ends != "live":
         run()  # the parent settles with no dependents known
