@@ -12,6 +12,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from .envelope import Envelope
+from .jsoncolumns import FloatKeepingEncoder
 
 
 class JobStatus(models.TextChoices):
@@ -60,9 +61,10 @@ class Job(models.Model):
     id = models.CharField(primary_key=True, max_length=64, editable=False)
     queue = models.CharField(max_length=100)
     handler = models.CharField(max_length=255)
-    payload = models.JSONField(default=dict, blank=True)
+    # Written so that a float comes back a float (PostgreSQL's jsonb would turn 1e20 into an int).
+    payload = models.JSONField(default=dict, blank=True, encoder=FloatKeepingEncoder)
     # Per-job behaviour that travels with the message (backoff, retry_on, single_instance).
-    options = models.JSONField(default=dict, blank=True)
+    options = models.JSONField(default=dict, blank=True, encoder=FloatKeepingEncoder)
     signature = models.CharField(max_length=128, blank=True)
     name = models.CharField(max_length=255, blank=True)
     status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.PENDING)
@@ -80,7 +82,7 @@ class Job(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     backend = models.CharField(max_length=100, default="default", help_text="Backend the job was dispatched to.")
     # What the job returned, as JSON: kept only for jobs that ask for it (``keep_result``).
-    result = models.JSONField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True, encoder=FloatKeepingEncoder)
     claimed_ahead = models.PositiveSmallIntegerField(
         choices=ClaimedAhead.choices,
         default=ClaimedAhead.NO,

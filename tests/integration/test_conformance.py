@@ -1316,6 +1316,20 @@ def test_the_run_loop_keeps_results_acked_together_with_the_next_fetch(queue_bac
     assert results == {env.id: f"value-{n}" for n, env in enumerate(envs)}
 
 
+def test_a_kept_result_keeps_its_floats(queue_backend, backend_case, monkeypatch):
+    # PostgreSQL's jsonb would read 1e20 back as the int 100000000000000000000.
+    require_queue(queue_backend)
+    env = scripted.using(keep_result=True).builder(action="ok", db=backend_case.side_effect_db).build()
+    queue_backend.enqueue(env)
+    monkeypatch.setattr("tests.testapp.jobs.scripted.func", lambda **kwargs: [1e20, 1.5e300, 0.5])
+
+    assert drain(queue_backend) == ["acked"]
+
+    alias = getattr(queue_backend, "alias", "default")
+    result = Job.objects.using(alias).get(pk=env.id).result
+    assert result == [1e20, 1.5e300, 0.5] and {type(x) for x in result} == {float}, result
+
+
 @contextlib.contextmanager
 def postgres_sql() -> Iterator[list[str]]:
     """The SQL sent on the ``postgres`` alias inside the block, in order."""
