@@ -11,33 +11,50 @@ from django_jobs.models import Job, JobStatus
 from tests.procs import processes, wait_until, worker_env
 from tests.testapp.jobs import scripted
 
-PROCESS_DB = pytest.mark.django_db(databases=["default"], transaction=True)
+PROCESS_DB = pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
 FINAL = ("retrying", "failed", "completed")
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(("redis", "default"), id="redis"),
+        pytest.param(("pg", "postgres"), id="database-postgres", marks=pytest.mark.postgres),
+    ]
+)
+def batched_backend(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """A backend whose workers batch their writes, and the database its ``Job`` rows are in
+    (Redis writes a failed job's row to the default database)."""
+    backend, alias = request.param
+    request.getfixturevalue("redis_up" if backend == "redis" else "postgres_up")
+    return backend, alias
 
 
 @pytest.mark.slow
 @PROCESS_DB
-def test_redteam_redis_fast_failure_then_worker_death_never_runs_the_job_uncounted(redis_up):
+def test_redteam_fast_failure_then_worker_death_never_runs_the_job_uncounted(batched_backend):
     """docs/reliability.md: "A job runs at most `max_retries + 1` times, counting runs lost to
     crashes"; docs/leases.md: the supervisor recovers a dead process's claims, and only a worker
     that freezes or dies *with its whole process group* within 50 ms of a start has that job
     handed back uncounted.
 
-    Attack: job A fails in well under 50 ms (its requeue waits for the batch's next write), and
+    Attack (Redis, and the database backend on PostgreSQL, whose workers both batch their writes):
+    job A fails in well under 50 ms (its requeue waits for the batch's next write), and
     the very next job B kills its worker process (``os._exit``). The supervisor lives. A's failed
     run must count: with ``max_retries=1``, A runs at most twice."""
+    backend, alias = batched_backend
     pairs = [
         (
-            scripted.using(backend="redis", max_retries=1).dispatch(action="raise"),
-            scripted.using(backend="redis", max_retries=0).dispatch(action="exit"),
+            scripted.using(backend=backend, max_retries=1).dispatch(action="raise"),
+            scripted.using(backend=backend, max_retries=0).dispatch(action="exit"),
         )
         for _ in range(3)
     ]
+    jobs = Job.objects.using(alias)
     with processes() as procs:
-        worker = procs.worker("--backend", "redis", env=worker_env())
+        worker = procs.worker("--backend", backend, env=worker_env())
 
         def settled() -> bool:
-            rows = Job.objects.filter(id__in=[a for a, _ in pairs] + [b for _, b in pairs])
+            rows = jobs.filter(id__in=[a for a, _ in pairs] + [b for _, b in pairs])
             return rows.filter(status=JobStatus.FAILED).count() == 2 * len(pairs)
 
         wait_until(settled, 60, "every job to end failed")
@@ -45,4 +62,4 @@ def test_redteam_redis_fast_failure_then_worker_death_never_runs_the_job_uncount
     for a, _ in pairs:
         runs = [line for line in worker.job_lines() if a in line and line.split()[0] in FINAL]
         assert len(runs) <= 2, f"job {a} (max_retries=1) ran {len(runs)} times\n{worker.output()}"
-        assert Job.objects.get(id=a).attempts == 2
+        assert jobs.get(id=a).attempts == 2
