@@ -7,6 +7,7 @@ Fixtures that several test modules share live here, or in the plugin modules of
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings as hypothesis_settings
@@ -50,6 +51,40 @@ def postgres_reachable() -> tuple[bool, str]:
 @pytest.fixture(scope="session")
 def postgres_up() -> None:
     require_service("PostgreSQL", *postgres_reachable())
+
+
+def _pgbouncer_console(statement: str) -> None:
+    """Run one command on the test PgBouncer's admin console (database ``pgbouncer``)."""
+    import psycopg
+    from django.conf import settings
+
+    db = settings.DATABASES["pgbouncer"]
+    with psycopg.connect(
+        host=db["HOST"], port=db["PORT"], user=db["USER"], dbname="pgbouncer", autocommit=True, connect_timeout=3
+    ) as console:
+        psycopg.ClientCursor(console).execute(statement)  # the console speaks the simple protocol only
+
+
+@pytest.fixture(scope="session")
+def pgbouncer_up(django_db_setup: None) -> Iterator[None]:
+    """PgBouncer (transaction pooling, scripts/services starts it) is up in front of the test
+    PostgreSQL. At the end of the session its connections to the test database are dropped
+    (``KILL``, then ``RESUME``) before that database is: PostgreSQL refuses to drop a database
+    that a pooler still holds server connections to."""
+    from django.conf import settings
+    from django.db import connections
+
+    try:
+        _pgbouncer_console("SHOW VERSION")
+        reachable, detail = True, ""
+    except Exception as exc:  # noqa: BLE001
+        reachable, detail = False, f"{exc} (scripts/services starts it)"
+    require_service("PgBouncer", reachable, detail)
+    yield
+    connections["pgbouncer"].close()
+    name = settings.DATABASES["postgres"]["NAME"]
+    _pgbouncer_console(f'KILL "{name}"')
+    _pgbouncer_console(f'RESUME "{name}"')
 
 
 def mariadb_reachable() -> tuple[bool, str]:
