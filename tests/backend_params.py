@@ -95,6 +95,7 @@ def _redis_expire(backend: Any, lease: Lease) -> None:
 # of JOBS_TEST_SERVICEBUS_CONNECTION_STRING instead of the in-memory one (no expire hook there).
 SERVICEBUS_LIVE = BackendCase("servicebus", fixtures=("servicebus_fake",))
 
+
 def _postgres_through(alias: str, case_id: str, fixture: str, databases: list[str]) -> Any:
     """The case of the database backend on the ``postgres`` test database through ``alias``
     (its own connection, not wrapped in the test's transaction: its tests run with
