@@ -1,5 +1,5 @@
-"""The servers the chaos battery and the tests use: PRIVATE PostgreSQL, redis-server and
-beanstalkd processes on free loopback ports with their data in a temp dir.
+"""The servers the chaos battery and the tests use: PRIVATE PostgreSQL, PgBouncer, redis-server
+and beanstalkd processes on free loopback ports with their data in a temp dir.
 
 Private servers are started in their own session and killed by pid / process group (only what
 this process started): restarting or killing one never touches the shared servers. ``Postgres``
@@ -324,6 +324,72 @@ class PrivatePostgres:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+class PrivatePgBouncer:
+    """PgBouncer in transaction pooling mode on a free loopback port, in front of the PostgreSQL
+    server at ``server_port`` on 127.0.0.1 (every database name maps to the same name there;
+    trust, user ``postgres``), its config and log in a temp dir, in its own session.
+
+    Run as root, it runs as the ``postgres`` OS user (PgBouncer refuses root). A restart of the
+    server behind it is the server's own: the pooler keeps its clients' connections, and those
+    in a transaction when the server went see it fail."""
+
+    def __init__(self, server_port: int | str, *, os_user: str = "postgres") -> None:
+        binary = shutil.which("pgbouncer")
+        if binary is None:
+            raise RuntimeError("pgbouncer is not on PATH (apt-get install pgbouncer)")
+        self.binary = binary
+        self.host = "127.0.0.1"
+        self.port = free_port()
+        self.directory = Path(tempfile.mkdtemp(prefix="pgbouncerprivate-"))
+        config = self.directory / "pgbouncer.ini"
+        config.write_text(
+            f"[databases]\n* = host=127.0.0.1 port={server_port}\n\n[pgbouncer]\n"
+            f"listen_addr = {self.host}\nlisten_port = {self.port}\nunix_socket_dir =\n"
+            f"auth_type = trust\nauth_file = {self.directory / 'userlist.txt'}\n"
+            "pool_mode = transaction\ndefault_pool_size = 20\nmax_client_conn = 500\n"
+            f"logfile = {self.directory / 'pgbouncer.log'}\n"
+        )
+        (self.directory / "userlist.txt").write_text('"postgres" ""\n')
+        self.config = config
+        self._run_as: dict[str, Any] = {}
+        if os.geteuid() == 0:
+            import pwd
+
+            entry = pwd.getpwnam(os_user)
+            self._run_as = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+            for path in (self.directory, *self.directory.iterdir()):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+        self.popen: subprocess.Popen[bytes] | None = None
+        _at_exit(self.cleanup)
+
+    def start(self) -> None:
+        self.popen = subprocess.Popen(
+            [self.binary, str(self.config)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            **self._run_as,
+        )
+        wait_for(self._serving, 30, f"the private PgBouncer on port {self.port}")
+
+    def _serving(self) -> bool:
+        if self.popen is not None and self.popen.poll() is not None:
+            raise RuntimeError(f"pgbouncer exited ({self.popen.returncode}): see {self.directory}/pgbouncer.log")
+        try:
+            socket.create_connection((self.host, self.port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    def cleanup(self) -> None:
+        """Kill it (only the process this object started) and remove its temp dir. Idempotent."""
+        if self.popen is not None and self.popen.poll() is None:
+            os.kill(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

@@ -112,8 +112,8 @@ class Listener:
 
 
 def _connect(alias: str) -> Any:
-    """A new driver connection of ``alias``, in autocommit, outside Django's connection handling."""
+    """A new driver connection of ``alias``, in autocommit, outside Django's connection handling
+    and its pool (``OPTIONS["pool"]``: a connection taken from it and closed, never given back,
+    would hold one of its places for good)."""
     wrapper = connections[alias]
-    connection = wrapper.get_new_connection(wrapper.get_connection_params())
-    connection.autocommit = True
-    return connection
+    return wrapper.Database.connect(**wrapper.get_connection_params(), autocommit=True)

@@ -9,9 +9,12 @@ from __future__ import annotations
 import os
 import signal
 import uuid
+from collections.abc import Iterator
 
 import pytest
+from django.conf import settings
 from django.db.models import Max, QuerySet
+from django.test import override_settings
 
 from django_jobs import chain, group
 from django_jobs.history import attempts_of
@@ -24,17 +27,35 @@ PG = "postgres"
 pytestmark = [
     pytest.mark.postgres,
     pytest.mark.slow,
-    pytest.mark.django_db(databases=["default", PG], transaction=True),
+    # (pgbouncer: the postgres database through the pooler, a connection of its own.)
+    pytest.mark.django_db(databases=["default", PG, "pgbouncer"], transaction=True),
     pytest.mark.usefixtures("postgres_up"),
 ]
-# The backends whose dependencies these tests exercise (their SideEffect rows are in PostgreSQL).
+# The backends whose dependencies these tests exercise (their SideEffect rows are in PostgreSQL):
+# the database backend direct and through PgBouncer in transaction mode, and Redis.
 BACKENDS = [
     pytest.param("pg", id="database-postgres"),
+    pytest.param("pgbouncer", id="database-pgbouncer"),
     pytest.param("redis", id="redis"),
 ]
 LEASE = 2.0
 MEMBERS = 1000
 WORKERS = 3
+
+
+@pytest.fixture
+def env(backend: str, request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """The backend's service is up, the backend known here and to the workers: their environment."""
+    if backend == "redis":
+        request.getfixturevalue("redis_up")
+    if backend != "pgbouncer":
+        yield worker_env(LEASE)
+        return
+    request.getfixturevalue("pgbouncer_up")
+    with override_settings(
+        JOBS={**settings.JOBS, "BACKENDS": {**settings.JOBS["BACKENDS"], backend: settings.PGBOUNCER_BACKEND}}
+    ):
+        yield worker_env(LEASE, JOBS_TEST_PGBOUNCER="1")
 
 
 def effects(prefix: str) -> list[SideEffect]:
@@ -44,17 +65,15 @@ def effects(prefix: str) -> list[SideEffect]:
 def kept(backend: str) -> dict[str, bool]:
     """Options that leave a ``Job`` row of each completed job: a database job's row is its own; a
     broker keeps one (in the ``default`` database) only of a job that keeps its result."""
-    return {} if backend == "pg" else {"keep_result": True}
+    return {"keep_result": True} if backend == "redis" else {}
 
 
 def job_rows(backend: str) -> QuerySet[Job]:
-    return Job.objects.using(PG if backend == "pg" else "default")
+    return Job.objects.using("default" if backend == "redis" else PG)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_group_callback_runs_once_after_every_member(backend, request):
-    if backend == "redis":
-        request.getfixturevalue("redis_up")
+def test_a_group_callback_runs_once_after_every_member(backend, env):
     tag = f"group-{uuid.uuid4().hex[:10]}"
     members = [
         flow_step.using(backend=backend, **kept(backend)).prepare(None, f"{tag}-m{i}", PG) for i in range(MEMBERS)
@@ -65,7 +84,7 @@ def test_a_group_callback_runs_once_after_every_member(backend, request):
 
     with processes() as procs:
         for _ in range(WORKERS):
-            procs.worker("--backend", backend, "--verbosity", "0", env=worker_env(LEASE))
+            procs.worker("--backend", backend, "--verbosity", "0", env=env)
         wait_until(
             lambda: jobs.filter(pk=callback_id, status="completed").exists(), 120, "the group's callback to complete"
         )
@@ -85,9 +104,7 @@ def test_a_group_callback_runs_once_after_every_member(backend, request):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_chain_survives_the_worker_of_a_step_being_killed(backend, request):
-    if backend == "redis":
-        request.getfixturevalue("redis_up")
+def test_a_chain_survives_the_worker_of_a_step_being_killed(backend, env):
     tag = f"chain-{uuid.uuid4().hex[:10]}"
     quick = scripted.using(backend=backend, max_retries=2, backoff={"strategy": "none"}, **kept(backend))
     steps = [quick.prepare(action="ok", key=f"{tag}-{n}", db=PG) for n in (1, 2)]
@@ -100,7 +117,7 @@ def test_a_chain_survives_the_worker_of_a_step_being_killed(backend, request):
 
     with processes() as procs:
         for _ in range(2):
-            procs.worker("--backend", backend, "--prefetch", "1", env=worker_env(LEASE))
+            procs.worker("--backend", backend, "--prefetch", "1", env=env)
         running = wait_until(lambda: effects(f"{tag}-3"), 60, "step 3 to start")[0]
         os.kill(running.pid, signal.SIGKILL)  # the process running step 3, mid-step
         assert not effects(f"{tag}-4"), "the kill came after step 3 had ended"
