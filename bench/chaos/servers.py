@@ -27,6 +27,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def accepts(address: tuple[str, int]) -> bool:
+    """Does anything accept connections at ``address``?"""
+    try:
+        socket.create_connection(address, timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def sigkill(popen: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL the process ``popen`` started, if it still runs, and reap it."""
+    if popen is not None and popen.poll() is None:
+        os.kill(popen.pid, signal.SIGKILL)
+        popen.wait(10)
+
+
 def _at_exit(callback: Any) -> None:
     """Run ``callback`` when THIS process exits (not in a forked child that exits normally)."""
     owner = os.getpid()
@@ -333,7 +349,9 @@ class PrivatePgBouncer:
 
     Run as root, it runs as the ``postgres`` OS user (PgBouncer refuses root). A restart of the
     server behind it is the server's own: the pooler keeps its clients' connections, and those
-    in a transaction when the server went see it fail."""
+    in a transaction when the server went see it fail. It tries a failed server login again
+    after 1 s (``server_login_retry``), so its clients are kept out about as long as the
+    server is down."""
 
     def __init__(self, server_port: int | str, *, os_user: str = "postgres") -> None:
         binary = shutil.which("pgbouncer")
@@ -349,6 +367,9 @@ class PrivatePgBouncer:
             f"listen_addr = {self.host}\nlisten_port = {self.port}\nunix_socket_dir =\n"
             f"auth_type = trust\nauth_file = {self.directory / 'userlist.txt'}\n"
             "pool_mode = transaction\ndefault_pool_size = 20\nmax_client_conn = 500\n"
+            # After a failed server login PgBouncer refuses new ones for this long (default 15 s):
+            # a 1 s restart of the server would keep the workers out for 15, past their leases.
+            "server_login_retry = 1\n"
             f"logfile = {self.directory / 'pgbouncer.log'}\n"
         )
         (self.directory / "userlist.txt").write_text('"postgres" ""\n')
@@ -378,17 +399,11 @@ class PrivatePgBouncer:
     def _serving(self) -> bool:
         if self.popen is not None and self.popen.poll() is not None:
             raise RuntimeError(f"pgbouncer exited ({self.popen.returncode}): see {self.directory}/pgbouncer.log")
-        try:
-            socket.create_connection((self.host, self.port), timeout=1).close()
-            return True
-        except OSError:
-            return False
+        return accepts((self.host, self.port))
 
     def cleanup(self) -> None:
         """Kill it (only the process this object started) and remove its temp dir. Idempotent."""
-        if self.popen is not None and self.popen.poll() is None:
-            os.kill(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(10)
+        sigkill(self.popen)
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -542,16 +557,10 @@ class PrivateBeanstalkd:
     def _serving(self) -> bool:
         if self.popen is not None and self.popen.poll() is not None:
             raise RuntimeError(f"beanstalkd exited ({self.popen.returncode}): see {self.directory}")
-        try:
-            socket.create_connection(self.address, timeout=1).close()
-            return True
-        except OSError:
-            return False
+        return accepts(self.address)
 
     def kill(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            os.kill(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(10)
+        sigkill(self.popen)
 
     def restart(self, outage: float = 1.0) -> tuple[float, float]:
         """SIGKILL, ``outage`` seconds down, a start that replays the binlog."""
