@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from io import StringIO
 
 import pytest
@@ -23,6 +25,8 @@ from django.test import override_settings
 from django_jobs.backends import db_listen, get_backend
 from django_jobs.backends.database import DatabaseBackend
 from django_jobs.models import Job
+from django_jobs.scheduler import Scheduler
+from django_jobs.schedules import parse_entry
 from tests.backend_params import ALL_DATABASES
 from tests.testapp.jobs import scripted
 
@@ -134,3 +138,26 @@ def test_listen_database_wakes_idle_workers_through_a_direct_connection(fresh_pr
 def test_listen_database_must_be_a_postgresql_alias(alias):
     with backends(LISTEN_DATABASE=alias), pytest.raises(ImproperlyConfigured, match="LISTEN_DATABASE"):
         get_backend("pooled")
+
+
+def test_schedulers_through_the_pooler_dispatch_each_tick_once(pooled, settings):
+    settings.DATABASE_ROUTERS = ["tests.routers.SchedulesThroughPgBouncer"]
+    start = datetime(2030, 1, 1, 3, 10, tzinfo=UTC)
+    now = [start]
+    entry = parse_entry("pooled-tick", {"job": "tests.testapp.jobs.noop", "every": 1, "backend": "pooled"})
+    # Each claims a tick with an INSERT in the transaction that dispatches its job.
+    schedulers = [Scheduler({entry.name: entry}, clock=lambda: now[0]) for _ in range(2)]
+    for scheduler in schedulers:
+        scheduler.sync(start)
+    for _ in range(10):
+        now[0] += timedelta(seconds=0.5)
+        for scheduler in schedulers:
+            scheduler.run_pass()
+
+    keys = Counter(
+        Job.objects.using(POOLED)
+        .filter(idempotency_key__startswith="schedule:pooled-tick:")
+        .values_list("idempotency_key", flat=True)
+    )
+    assert len(keys) == 5 and set(keys.values()) == {1}, keys  # one job a second, each once
+    assert sum(scheduler.dispatched for scheduler in schedulers) == 5
