@@ -4,7 +4,8 @@
 # Sourced by scripts/services (its helpers status, down, wait_for, show_log and $svc). Debian's
 # pgbouncer is installed with apt-get if missing and run as a process of its own (not the system
 # service): its config, auth file, pid file and log live in .services/pgbouncer/ (another port:
-# .services/pgbouncer-PORT/). It refuses to run as root: as root it runs as the postgres user.
+# .services/pgbouncer-PORT/). It refuses to run as root: as root it runs as the postgres user
+# (and its files go to /tmp/django-jobs-pgbouncer-PORT/ where postgres cannot reach .services/).
 
 pgb_port=${JOBS_TEST_PGBOUNCER_PORT:-6432}
 pgb_addr=127.0.0.1:$pgb_port
@@ -30,6 +31,11 @@ install_pgbouncer() {
 }
 
 start_pgbouncer() {
+  # As root it runs as postgres, which must reach its files: where a parent of the repository
+  # is closed to other users (a clone under /root), they go to a directory in /tmp instead.
+  if ((EUID == 0)) && ! runuser -u postgres -- test -x "$svc" 2>/dev/null; then
+    pgb_dir=/tmp/django-jobs-pgbouncer-$pgb_port
+  fi
   mkdir -p "$pgb_dir"
   # Transaction pooling: a server connection is the client's for one transaction only (no
   # session state survives: no LISTEN, no session advisory lock, no prepared statement kept).
