@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from io import StringIO
 
+import psycopg
 import pytest
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -82,6 +83,23 @@ def test_a_bounded_run_after_another_in_the_same_process_runs_its_jobs(pooled):
     work("--max", "5", "--max-time", "20")
 
     assert Job.objects.using(POOLED).filter(status="completed").count() == 6
+
+
+def test_an_execute_that_reaches_another_server_session_runs_the_plain_statement(pooled, caplog):
+    dispatch(3)
+    following = pooled.ack_and_fetch(pooled.fetch("default"), "default")  # prepared on the session it got
+    assert following is not None and pooled.prepare
+    db = connections[POOLED].settings_dict
+    # Another client holds that session in a transaction (the pooler hands out the one used
+    # last): the next EXECUTE reaches a session that never saw the PREPARE.
+    with psycopg.connect(host=db["HOST"], port=db["PORT"], user=db["USER"], dbname=db["NAME"]) as other:
+        other.execute("SELECT 1")
+        last = pooled.ack_and_fetch(following, "default")
+        assert last is not None
+        pooled.ack(last)
+
+    assert not pooled.prepare and "no longer preparing" in caplog.text
+    assert Job.objects.using(POOLED).filter(status="completed").count() == 3
 
 
 def test_asynchronous_commit_stays_in_the_statements_own_transaction(pooled):
