@@ -6,6 +6,7 @@ Fixtures that several test modules share live here, or in the plugin modules of
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 
@@ -66,25 +67,32 @@ def _pgbouncer_console(statement: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def pgbouncer_up(django_db_setup: None) -> Iterator[None]:
+def pgbouncer_up() -> None:
     """PgBouncer (transaction pooling, scripts/services starts it) is up in front of the test
-    PostgreSQL. At the end of the session its connections to the test database are dropped
-    (``KILL``, then ``RESUME``) before that database is: PostgreSQL refuses to drop a database
-    that a pooler still holds server connections to."""
-    from django.conf import settings
-    from django.db import connections
-
+    PostgreSQL."""
     try:
         _pgbouncer_console("SHOW VERSION")
         reachable, detail = True, ""
     except Exception as exc:  # noqa: BLE001
         reachable, detail = False, f"{exc} (scripts/services starts it)"
     require_service("PgBouncer", reachable, detail)
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup: None) -> Iterator[None]:
+    """pytest-django's, and at the end of the session, before the test databases are dropped,
+    PgBouncer's connections to the PostgreSQL one dropped (``KILL``, then ``RESUME``):
+    PostgreSQL refuses to drop a database that a pooler still holds server connections to. Any
+    test may have used the ``pgbouncer`` alias (a test in a transaction opens it)."""
+    from django.conf import settings
+    from django.db import connections
+
     yield
     connections["pgbouncer"].close()
     name = settings.DATABASES["postgres"]["NAME"]
-    _pgbouncer_console(f'KILL "{name}"')
-    _pgbouncer_console(f'RESUME "{name}"')
+    with contextlib.suppress(Exception):  # no PgBouncer: nothing holds the database
+        _pgbouncer_console(f'KILL "{name}"')
+        _pgbouncer_console(f'RESUME "{name}"')
 
 
 def mariadb_reachable() -> tuple[bool, str]:

@@ -767,6 +767,11 @@ class DatabaseBackend(LimitedBackend):
         held (see ``db_listen``). Other databases poll."""
         return self._conn.vendor == "postgresql" and self.listener.wait(timeout)
 
+    def prepare_to_wait(self) -> None:
+        """PostgreSQL: whether a ``LISTEN`` is held (see ``db_listen``), found out and logged now."""
+        if self._conn.vendor == "postgresql":
+            self.listener.held()
+
     def reset_connection(self) -> None:
         self.listener.close()
         super().reset_connection()

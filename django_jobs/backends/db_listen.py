@@ -4,8 +4,9 @@ sends when jobs are inserted (migration ``0003_notify_trigger``).
 A ``LISTEN`` belongs to a server session. A pooler in transaction mode (PgBouncer's
 ``pool_mode = transaction``) hands each transaction whichever server session is free, so a
 ``LISTEN`` sent through it is not held: the notifications go to a session the worker no longer
-has. Before its first ``LISTEN`` on a database, a process finds out: it listens on a channel of
-its own and has a ``NOTIFY`` sent there through the queue's database. A session held delivers
+has. Before its first ``LISTEN`` on a database (``jobs_work`` asks at its start), a process
+finds out: it listens on a channel of its own and has a ``NOTIFY`` sent there through the
+queue's database. A session held delivers
 it at once; a pooled one never does, and idle workers then poll. ``OPTIONS["LISTEN_DATABASE"]``
 names a direct connection (a database alias) to listen on instead.
 """
@@ -66,16 +67,23 @@ class Listener:
             with contextlib.suppress(Exception):  # it may be broken already
                 connection.close()
 
-    def _listening(self) -> Any:
-        if self.connection is None:
-            key = (self.alias, self.queue_alias)
+    def held(self) -> bool:
+        """Is a ``LISTEN`` held on this database? Found out once a process (``_probe``)."""
+        key = (self.alias, self.queue_alias)
+        if key not in _HELD:
             connection = _connect(self.alias)
             try:
-                if key not in _HELD:
-                    _HELD[key] = self._held(connection)
-                if not _HELD[key]:
-                    connection.close()
-                    return None
+                _HELD[key] = self._probe(connection)
+            finally:
+                connection.close()
+        return _HELD[key]
+
+    def _listening(self) -> Any:
+        if self.connection is None:
+            if not self.held():
+                return None
+            connection = _connect(self.alias)
+            try:
                 connection.execute(f"LISTEN {CHANNEL}")
             except Exception:
                 connection.close()
@@ -83,7 +91,7 @@ class Listener:
             self.connection = connection
         return self.connection
 
-    def _held(self, connection: Any) -> bool:
+    def _probe(self, connection: Any) -> bool:
         """Does a ``NOTIFY`` sent through the queue's database reach a ``LISTEN`` sent on
         ``connection``? Logged either way: how idle workers of the backend wake."""
         channel = f"{CHANNEL}_probe_{secrets.token_hex(8)}"

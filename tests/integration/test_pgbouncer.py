@@ -136,6 +136,13 @@ def test_a_listen_through_the_pooler_is_found_not_held_and_idle_workers_poll(poo
     assert caplog.text == ""  # found out once
 
 
+def test_jobs_work_says_at_its_start_that_idle_workers_will_poll(pooled, fresh_probe, caplog):
+    dispatch(1)
+    work("--once")  # it runs the job at once: it never waits for work
+
+    assert "is not held" in caplog.text
+
+
 def test_listen_database_wakes_idle_workers_through_a_direct_connection(fresh_probe, caplog):
     caplog.set_level(logging.INFO, logger="django_jobs.backends.database")
     with backends(LISTEN_DATABASE="postgres"):
