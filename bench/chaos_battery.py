@@ -25,8 +25,10 @@ What it sets up (and tears down):
 Server restarts (crash: the backend's server twice; dbrestart: the database, and on redis the
 redis-server) only ever touch these private servers: a crash restart is SIGKILL of the server's
 processes, a 1 s outage and a start that replays the WAL / AOF / binlog. ``--no-db-restart``
-skips the crash scenario's PostgreSQL restarts. Progress goes to stderr. Exit status: 0 when
-every scenario ran (whatever its figures), 1 on an error.
+skips the crash scenario's PostgreSQL restarts. ``--pgbouncer`` puts a PRIVATE PgBouncer in
+transaction pooling mode (free loopback port) between PostgreSQL and the workers and driver (a
+restart is still the server's). Progress goes to stderr. Exit status: 0 when every scenario ran
+(whatever its figures), 1 on an error.
 Figures and their meaning: docs/reliability.md, "Chaos battery".
 """
 
@@ -91,6 +93,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="sentinel: the servers' min-replicas-to-write (default 0: a primary never refuses a write)",
     )
+    parser.add_argument(
+        "--pgbouncer",
+        action="store_true",
+        help="the workers reach PostgreSQL through a PRIVATE PgBouncer in transaction pooling mode, in front of it",
+    )
     parser.add_argument("--outage", type=float, default=1.0, help="seconds a restarted server stays down (default 1)")
     parser.add_argument(
         "--timeout",
@@ -125,7 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         return _run_from_snapshot(args.code, list(sys.argv[1:] if argv is None else argv))
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
     workdir = Path(tempfile.mkdtemp(prefix=f"chaos-{args.backend}-"))
-    from bench.chaos.servers import Postgres, PrivateBeanstalkd, PrivatePostgres, PrivateRedis, PrivateSentinelGroup
+    from bench.chaos.servers import (
+        Postgres,
+        PrivateBeanstalkd,
+        PrivatePgBouncer,
+        PrivatePostgres,
+        PrivateRedis,
+        PrivateSentinelGroup,
+    )
 
     database: PrivatePostgres | None = None
     if args.pg_external:
@@ -145,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "PYTHONUNBUFFERED": "1",
     }
     server = None
+    pooler: PrivatePgBouncer | None = None
     report: dict = {
         "backend": args.backend,
         "short": args.short,
@@ -164,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
             report["postgres_server"] = f"private (initdb in {database.directory}, port {database.port})"
         else:
             report["postgres_server"] = f"external {pg.host}:{pg.port} (never restarted)"
+        if args.pgbouncer:  # every connection of the workers and of this driver goes through it
+            pooler = PrivatePgBouncer(pg.port)
+            pooler.start()
+            env["CHAOS_PG_HOST"], env["CHAOS_PG_PORT"] = pooler.host, str(pooler.port)
+            report["pooler"] = f"private PgBouncer (transaction pooling, port {pooler.port})"
         if args.backend in ("redis", "sentinel"):
             server = (
                 PrivateRedis(workdir) if args.backend == "redis" else PrivateSentinelGroup(workdir, args.min_replicas)
@@ -244,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             pass
         if server is not None:
             server.kill()
+        if pooler is not None:
+            pooler.cleanup()
         if database is not None:
             # Only the private server this run started; --keep leaves its data dir behind.
             database.kill()

@@ -6,6 +6,7 @@
     python bench/compare.py --quick --only raw-pg,pgqueuer,djjobs-pg   # plumbing check, ~1-2 min
     python bench/compare.py --variants core,w2,retry --out /tmp/compare.md
     python bench/compare.py --from-results bench/results/anchors-20250101-120000.jsonl   # no run
+    python bench/compare.py --only djjobs-pg --pg-port 6432  # PostgreSQL through PgBouncer
 
 It runs the anchors harness (``run.sh`` in ``--anchors``, default ``$BENCH_ANCHORS`` or
 ``../shared/bench-anchors``) with ``BENCH_DJANGO_JOBS_SRC`` set to this repository, so the
@@ -377,10 +378,13 @@ def compile_for_harness(anchors: Path, env: dict[str, str]) -> None:
     subprocess.run([str(python), "-m", "compileall", "-q", str(REPO / "django_jobs")], check=True)
 
 
-def run_harness(anchors: Path, argv: list[str]) -> Path:
-    """Run run.sh (its progress lines pass through to stderr); return the results.jsonl it wrote."""
+def run_harness(anchors: Path, argv: list[str], pg_port: str | None = None) -> Path:
+    """Run run.sh (its progress lines pass through to stderr); return the results.jsonl it wrote.
+    ``pg_port``: the PostgreSQL port the harness uses (``BENCH_PG_PORT``)."""
     tmp_root = Path(os.environ.get("BENCH_TMP", "/tmp/bench_anchors"))
     env = {**os.environ, "BENCH_DJANGO_JOBS_SRC": str(REPO)}
+    if pg_port:
+        env["BENCH_PG_PORT"] = pg_port
     compile_for_harness(anchors, env)
     cmd = [str(anchors / "run.sh"), *argv]
     log(f"$ BENCH_DJANGO_JOBS_SRC={REPO} {' '.join(cmd)}")
@@ -451,6 +455,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--chart", type=Path, default=DEFAULT_CHART, help="PNG path (default %(default)s)")
     parser.add_argument("--no-chart", action="store_true", help="tables only")
     parser.add_argument("--out", type=Path, help="also write the markdown here")
+    parser.add_argument(
+        "--pg-port",
+        help="the harness's PostgreSQL port (its BENCH_PG_PORT; default 5432): e.g. 6432, PgBouncer in "
+        "transaction mode in front of it (scripts/services), to measure the PostgreSQL cells through the pooler",
+    )
     args, passthrough = parser.parse_known_args(argv)
     if passthrough and args.from_results:
         parser.error(f"--from-results runs nothing: {' '.join(passthrough)} would be ignored")
@@ -467,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             anchors = anchors_dir(args.anchors)
             log(f"django-jobs under test: {REPO} at {git_state()}")
-            results_file = run_harness(anchors, harness_argv(args, passthrough))
+            results_file = run_harness(anchors, harness_argv(args, passthrough), args.pg_port)
             log(f"results kept in {keep_copy(results_file)}")
         results = load_results(results_file)
         text = markdown(results)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,9 +40,26 @@ from tests.settings import SENTINEL_BACKEND
 # and the worker tests count side effects and look up failed rows in either alias. A test may
 # still override this mark with its own (e.g. transaction=True): the decorator's mark wins.
 DB = pytest.mark.django_db(databases=["default", "postgres"])
+
+
+def _pgbouncer_listens() -> bool:
+    """Does anything accept connections on the test PgBouncer's port?"""
+    try:
+        socket.create_connection(("127.0.0.1", int(settings.PGBOUNCER_PORT)), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 # Tests that carry their own mark (transaction=True) list every database a param may use; the
-# MariaDB one only where its driver is installed (its param skips, or fails under CI, otherwise).
-ALL_DATABASES = ["default", "postgres"] + (["mariadb"] if importlib.util.find_spec("MySQLdb") else [])
+# MariaDB one only where its driver is installed, the PgBouncer one only where the pooler
+# listens (a test in a transaction opens a connection to each; the param skips, or fails under
+# CI, otherwise).
+ALL_DATABASES = (
+    ["default", "postgres"]
+    + (["mariadb"] if importlib.util.find_spec("MySQLdb") else [])
+    + (["pgbouncer"] if os.environ.get("CI") == "true" or _pgbouncer_listens() else [])
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +96,30 @@ def _redis_expire(backend: Any, lease: Lease) -> None:
 # of JOBS_TEST_SERVICEBUS_CONNECTION_STRING instead of the in-memory one (no expire hook there).
 SERVICEBUS_LIVE = BackendCase("servicebus", fixtures=("servicebus_fake",))
 
+
+def _postgres_through(alias: str, case_id: str, fixture: str, databases: list[str]) -> Any:
+    """The case of the database backend on the ``postgres`` test database through ``alias``
+    (its own connection, not wrapped in the test's transaction: its tests run with
+    ``transaction=True``). The backend is named after the alias."""
+    return pytest.param(
+        BackendCase(
+            alias,
+            fixtures=(fixture,),
+            expire=_db_expire,
+            record=_db_record,
+            side_effect_db="postgres",
+            config={"ENGINE": "database", "OPTIONS": {"DATABASE": alias}},
+        ),
+        id=case_id,
+        marks=[pytest.mark.postgres, pytest.mark.django_db(databases=databases, transaction=True)],
+    )
+
+
+# Through PgBouncer in transaction pooling mode (the ``pgbouncer`` alias), every default on. It
+# runs in autocommit as a worker does: claims, batches, prepared statements and asynchronous
+# commits take the paths a caller's transaction would turn off.
+PG_POOLED = _postgres_through("pgbouncer", "database-pgbouncer", "pgbouncer_up", ALL_DATABASES)
+
 BACKEND_PARAMS = [
     pytest.param(
         BackendCase("default", expire=_db_expire, record=_db_record),
@@ -100,6 +142,7 @@ BACKEND_PARAMS = [
         id="database-mariadb",
         marks=[pytest.mark.django_db(databases=ALL_DATABASES)],
     ),
+    PG_POOLED,
     pytest.param(BackendCase("sync"), id="sync", marks=[DB]),
     pytest.param(BackendCase("redis", fixtures=("redis_up",), expire=_redis_expire), id="redis", marks=[DB]),
     # The same backend through the Sentinel group of scripts/services.d/redis-sentinel.sh.
@@ -124,20 +167,10 @@ BACKEND_PARAMS = [
 ]
 
 
-# The database backend on PostgreSQL with server-side binding (``postgres_ssb``, the
-# ``postgres`` test database): a statement takes at most 65,535 parameters. Its own alias is
-# not wrapped in the test's transaction, so its tests run with ``transaction=True``.
-PG_SERVER_SIDE_BINDING = pytest.param(
-    BackendCase(
-        "pg_ssb",
-        fixtures=("postgres_up",),
-        expire=_db_expire,
-        record=_db_record,
-        side_effect_db="postgres",
-        config={"ENGINE": "database", "OPTIONS": {"DATABASE": "postgres_ssb"}},
-    ),
-    id="database-postgres-server-side-binding",
-    marks=[pytest.mark.postgres, pytest.mark.django_db(databases=[*ALL_DATABASES, "postgres_ssb"], transaction=True)],
+# The database backend on PostgreSQL with server-side binding (``postgres_ssb``): a statement
+# takes at most 65,535 parameters.
+PG_SERVER_SIDE_BINDING = _postgres_through(
+    "postgres_ssb", "database-postgres-server-side-binding", "postgres_up", [*ALL_DATABASES, "postgres_ssb"]
 )
 
 

@@ -6,7 +6,9 @@ Fixtures that several test modules share live here, or in the plugin modules of
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -51,6 +53,47 @@ def postgres_reachable() -> tuple[bool, str]:
 @pytest.fixture(scope="session")
 def postgres_up() -> None:
     require_service("PostgreSQL", *postgres_reachable())
+
+
+def _pgbouncer_console(statement: str) -> None:
+    """Run one command on the test PgBouncer's admin console (database ``pgbouncer``)."""
+    import psycopg
+    from django.conf import settings
+
+    db = settings.DATABASES["pgbouncer"]
+    with psycopg.connect(
+        host=db["HOST"], port=db["PORT"], user=db["USER"], dbname="pgbouncer", autocommit=True, connect_timeout=3
+    ) as console:
+        psycopg.ClientCursor(console).execute(statement)  # the console speaks the simple protocol only
+
+
+@pytest.fixture(scope="session")
+def pgbouncer_up() -> None:
+    """PgBouncer (transaction pooling, scripts/services starts it) is up in front of the test
+    PostgreSQL."""
+    try:
+        _pgbouncer_console("SHOW VERSION")
+        reachable, detail = True, ""
+    except Exception as exc:  # noqa: BLE001
+        reachable, detail = False, f"{exc} (scripts/services starts it)"
+    require_service("PgBouncer", reachable, detail)
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup: None) -> Iterator[None]:
+    """pytest-django's, and at the end of the session, before the test databases are dropped,
+    PgBouncer's connections to the PostgreSQL one dropped (``KILL``, then ``RESUME``):
+    PostgreSQL refuses to drop a database that a pooler still holds server connections to. Any
+    test may have used the ``pgbouncer`` alias (a test in a transaction opens it)."""
+    from django.conf import settings
+    from django.db import connections
+
+    yield
+    connections["pgbouncer"].close()
+    name = settings.DATABASES["postgres"]["NAME"]
+    with contextlib.suppress(Exception):  # no PgBouncer: nothing holds the database
+        _pgbouncer_console(f'KILL "{name}"')
+        _pgbouncer_console(f'RESUME "{name}"')
 
 
 def mariadb_reachable() -> tuple[bool, str]:
@@ -149,11 +192,24 @@ def _delete_prefixed(client: Any, prefix: str) -> None:
 def sentinel_backend(sentinel_up, monkeypatch):
     """The ``redis_sentinel`` backend in JOBS["BACKENDS"], here and in the worker subprocesses
     the test starts (``JOBS_TEST_SENTINEL=1`` in the environment they copy)."""
+    yield from _backend_in_settings(monkeypatch, "redis_sentinel", "SENTINEL_BACKEND", "JOBS_TEST_SENTINEL")
+
+
+@pytest.fixture
+def pgbouncer_backend(pgbouncer_up, monkeypatch):
+    """The ``pgbouncer`` backend (the database backend through PgBouncer) in JOBS["BACKENDS"],
+    here and in the worker subprocesses the test starts (``JOBS_TEST_PGBOUNCER=1``)."""
+    yield from _backend_in_settings(monkeypatch, "pgbouncer", "PGBOUNCER_BACKEND", "JOBS_TEST_PGBOUNCER")
+
+
+def _backend_in_settings(monkeypatch, name: str, setting: str, variable: str) -> Iterator[None]:
+    """Backend ``name`` (tests/settings.py's ``setting``) added to JOBS["BACKENDS"] while the
+    test runs, and ``variable=1`` in the environment its worker subprocesses copy."""
     from django.conf import settings
     from django.test import override_settings
 
-    monkeypatch.setenv("JOBS_TEST_SENTINEL", "1")
-    backends = {**settings.JOBS["BACKENDS"], "redis_sentinel": settings.SENTINEL_BACKEND}
+    monkeypatch.setenv(variable, "1")
+    backends = {**settings.JOBS["BACKENDS"], name: getattr(settings, setting)}
     with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends}):
         yield
 

@@ -10,7 +10,15 @@ class SchedulesOnPostgres:
     keep them in the SQLite ``default``: schedulers claim ticks on a server that takes concurrent
     writers."""
 
+    alias = "postgres"
+
     def db_for_write(self, model: type[Any], **hints: Any) -> str | None:
-        return "postgres" if model._meta.model_name in ("schedule", "scheduletick") else None
+        return self.alias if model._meta.model_name in ("schedule", "scheduletick") else None
 
     db_for_read = db_for_write
+
+
+class SchedulesThroughPgBouncer(SchedulesOnPostgres):
+    """The schedule tables on the same PostgreSQL database, through PgBouncer in transaction mode."""
+
+    alias = "pgbouncer"

@@ -95,6 +95,16 @@ DATABASES["postgres_ssb"] = {
     "TEST": {"MIRROR": "postgres"},
 }
 
+# The same PostgreSQL database through PgBouncer in transaction pooling mode (scripts/services
+# starts it): no session state survives a transaction. Its test database is the postgres one,
+# created and dropped directly (never through the pooler, which holds server connections to it).
+PGBOUNCER_PORT = os.environ.get("JOBS_TEST_PGBOUNCER_PORT", "6432")
+DATABASES["pgbouncer"] = {
+    **DATABASES["postgres"],
+    "PORT": PGBOUNCER_PORT,
+    "TEST": {"MIRROR": "postgres"},
+}
+
 if SUBPROCESS:
     # Worker subprocesses never use MariaDB (only the in-process conformance param does), and
     # their start-up system checks would otherwise connect to its test database.
@@ -159,6 +169,14 @@ TASKS = {
 }
 if django.VERSION < (6, 0):
     INSTALLED_APPS.append("django_tasks")  # Django 5.2: the backport of django.tasks
+
+# The database backend through PgBouncer (the ``pgbouncer`` alias): kept out of the shared
+# backends, so commands that visit every backend never reach the pooler. A test adds it
+# (tests/backend_params.py PG_POOLED), and the worker subprocesses it starts with
+# JOBS_TEST_PGBOUNCER=1.
+PGBOUNCER_BACKEND = {"ENGINE": "database", "OPTIONS": {"DATABASE": "pgbouncer"}}
+if os.environ.get("JOBS_TEST_PGBOUNCER") == "1":
+    JOBS["BACKENDS"]["pgbouncer"] = PGBOUNCER_BACKEND
 
 if os.environ.get("JOBS_TEST_IDEMPOTENCY_REDIS"):
     # Fault tests: idempotency keys in a Redis of the test's own, which it can freeze.

@@ -1,5 +1,5 @@
-"""The servers the chaos battery and the tests use: PRIVATE PostgreSQL, redis-server and
-beanstalkd processes on free loopback ports with their data in a temp dir.
+"""The servers the chaos battery and the tests use: PRIVATE PostgreSQL, PgBouncer, redis-server
+and beanstalkd processes on free loopback ports with their data in a temp dir.
 
 Private servers are started in their own session and killed by pid / process group (only what
 this process started): restarting or killing one never touches the shared servers. ``Postgres``
@@ -26,6 +26,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def accepts(address: tuple[str, int]) -> bool:
+    """Does anything accept connections at ``address``?"""
+    try:
+        socket.create_connection(address, timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def sigkill(popen: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL the process ``popen`` started, if it still runs, and reap it."""
+    if popen is not None and popen.poll() is None:
+        os.kill(popen.pid, signal.SIGKILL)
+        popen.wait(10)
 
 
 def _at_exit(callback: Any) -> None:
@@ -325,6 +341,71 @@ class PrivatePostgres:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+class PrivatePgBouncer:
+    """PgBouncer in transaction pooling mode on a free loopback port, in front of the PostgreSQL
+    server at ``server_port`` on 127.0.0.1 (every database name maps to the same name there;
+    trust, user ``postgres``), its config and log in a temp dir, in its own session.
+
+    Run as root, it runs as the ``postgres`` OS user (PgBouncer refuses root). A restart of the
+    server behind it is the server's own: the pooler keeps its clients' connections, and those
+    in a transaction when the server went see it fail. It tries a failed server login again
+    after 1 s (``server_login_retry``), so its clients are kept out about as long as the
+    server is down."""
+
+    def __init__(self, server_port: int | str, *, os_user: str = "postgres") -> None:
+        binary = shutil.which("pgbouncer")
+        if binary is None:
+            raise RuntimeError("pgbouncer is not on PATH (apt-get install pgbouncer)")
+        self.binary = binary
+        self.host = "127.0.0.1"
+        self.port = free_port()
+        self.directory = Path(tempfile.mkdtemp(prefix="pgbouncerprivate-"))
+        config = self.directory / "pgbouncer.ini"
+        config.write_text(
+            f"[databases]\n* = host=127.0.0.1 port={server_port}\n\n[pgbouncer]\n"
+            f"listen_addr = {self.host}\nlisten_port = {self.port}\nunix_socket_dir =\n"
+            f"auth_type = trust\nauth_file = {self.directory / 'userlist.txt'}\n"
+            "pool_mode = transaction\ndefault_pool_size = 20\nmax_client_conn = 500\n"
+            # After a failed server login PgBouncer refuses new ones for this long (default 15 s):
+            # a 1 s restart of the server would keep the workers out for 15, past their leases.
+            "server_login_retry = 1\n"
+            f"logfile = {self.directory / 'pgbouncer.log'}\n"
+        )
+        (self.directory / "userlist.txt").write_text('"postgres" ""\n')
+        self.config = config
+        self._run_as: dict[str, Any] = {}
+        if os.geteuid() == 0:
+            import pwd
+
+            entry = pwd.getpwnam(os_user)
+            self._run_as = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+            for path in (self.directory, *self.directory.iterdir()):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+        self.popen: subprocess.Popen[bytes] | None = None
+        _at_exit(self.cleanup)
+
+    def start(self) -> None:
+        self.popen = subprocess.Popen(
+            [self.binary, str(self.config)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            **self._run_as,
+        )
+        wait_for(self._serving, 30, f"the private PgBouncer on port {self.port}")
+
+    def _serving(self) -> bool:
+        if self.popen is not None and self.popen.poll() is not None:
+            raise RuntimeError(f"pgbouncer exited ({self.popen.returncode}): see {self.directory}/pgbouncer.log")
+        return accepts((self.host, self.port))
+
+    def cleanup(self) -> None:
+        """Kill it (only the process this object started) and remove its temp dir. Idempotent."""
+        sigkill(self.popen)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -648,16 +729,10 @@ class PrivateBeanstalkd:
     def _serving(self) -> bool:
         if self.popen is not None and self.popen.poll() is not None:
             raise RuntimeError(f"beanstalkd exited ({self.popen.returncode}): see {self.directory}")
-        try:
-            socket.create_connection(self.address, timeout=1).close()
-            return True
-        except OSError:
-            return False
+        return accepts(self.address)
 
     def kill(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            os.kill(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(10)
+        sigkill(self.popen)
 
     def restart(self, outage: float = 1.0) -> tuple[float, float]:
         """SIGKILL, ``outage`` seconds down, a start that replays the binlog."""

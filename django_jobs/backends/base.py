@@ -325,6 +325,11 @@ class QueueBackend(ABC):
         when it keeps them (or the backend cannot tell)."""
         return None
 
+    def prepare_to_wait(self) -> None:
+        """At a worker's start, before it forks: find out how idle workers will wait for work
+        (``wait_for_work``), where that depends on the server, and say so in the log. Holds
+        no connection afterwards. Nothing to find out by default."""
+
     def ack_and_fetch(self, lease: Lease, queue: str) -> Lease | None:
         """``ack(lease)``, then lease the next message of ``queue``. A ``LeaseLost`` from the ack
         leases nothing. Backends with ``pipelines_ack_fetch`` do both in one round trip."""

@@ -8,7 +8,6 @@ serialises writers. Other databases claim inside a transaction with the ORM's
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -19,6 +18,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 from weakref import WeakKeyDictionary
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, ProgrammingError, connections, transaction
 from django.db.models import NOT_PROVIDED, Count, Min, Q
 from django.utils import timezone
@@ -32,12 +32,13 @@ from ..retry import after_lost_run
 from . import db_settle
 from .base import NO_RESULT, Lease, LimitedBackend, Requeue, Requeued
 from .db_limits import DatabaseLimits
+from .db_listen import Listener
 
 TABLE = Job._meta.db_table
 # The statements prepared on each PostgreSQL connection (the driver's connection -> names).
 _PREPARED: WeakKeyDictionary[Any, set[str]] = WeakKeyDictionary()
 UNKNOWN_PREPARED_STATEMENT = "26000"  # SQLSTATE invalid_sql_statement_name
-NO_WAIT = 0.001  # seconds: a listener's shortest wait for notifications
+DUPLICATE_PREPARED_STATEMENT = "42P05"  # SQLSTATE duplicate_prepared_statement
 logger = logging.getLogger("django_jobs.backends.database")
 _RESULT = Job._meta.get_field("result")
 
@@ -143,7 +144,17 @@ class DatabaseBackend(LimitedBackend):
         # plans it once (its planning costs about as much as running it). Off by itself after a
         # failed EXECUTE (a pooler in transaction mode, which loses prepared statements).
         self.prepare = bool(options.get("PREPARE", True))
-        self._listener: Any = None  # PostgreSQL: the connection an idle worker LISTENs on
+        # PostgreSQL: idle workers LISTEN on this alias (a direct connection where DATABASE is
+        # a pooler in transaction mode, which does not hold a LISTEN).
+        listen_alias = options.get("LISTEN_DATABASE", self.alias)
+        if listen_alias != self.alias and (
+            listen_alias not in connections or connections[listen_alias].vendor != "postgresql"
+        ):
+            raise ImproperlyConfigured(
+                f"database backend {name!r}: OPTIONS['LISTEN_DATABASE'] must name a PostgreSQL database "
+                f"of DATABASES, not {listen_alias!r}"
+            )
+        self.listener = Listener(name, listen_alias, self.alias)
         self.limits = DatabaseLimits(self.alias)
 
     # -- helpers --
@@ -211,8 +222,14 @@ class DatabaseBackend(LimitedBackend):
             numbered = sql
             for number in range(1, count + 1):
                 numbered = numbered.replace("%s", f"${number}", 1)
-            with conn.cursor() as cursor:
-                cursor.execute(f"PREPARE {name} AS {numbered}")
+            try:
+                with conn.cursor() as cursor:
+                    cursor.execute(f"PREPARE {name} AS {numbered}")
+            except ProgrammingError as exc:
+                # The server session has it already (the name is the statement's hash): a
+                # pooler handed this connection a session an earlier client prepared it on.
+                if getattr(exc.__cause__, "sqlstate", None) != DUPLICATE_PREPARED_STATEMENT:
+                    raise
             done.add(name)
         return name
 
@@ -762,42 +779,21 @@ class DatabaseBackend(LimitedBackend):
 
     def wait_for_work(self, queues: list[str], timeout: float) -> bool:
         """PostgreSQL: block until a job is inserted (``NOTIFY django_jobs``, sent by a trigger
-        when the inserting transaction commits) or ``timeout`` passes. Other databases poll."""
-        if self._conn.vendor != "postgresql":
-            return False
-        try:
-            listener = self._listening()
-            # (psycopg waits without end for a timeout of 0: the shortest wait is a millisecond.
-            # Each notifies() holds the connection's lock until it ends: one at a time.)
-            if list(listener.notifies(timeout=max(timeout, NO_WAIT), stop_after=1)):
-                # Notifications queued while the worker was busy: one fetch serves them all.
-                list(listener.notifies(timeout=NO_WAIT))
-        except Exception:
-            self._close_listener()
-            raise
-        return True
+        when the inserting transaction commits) or ``timeout`` passes, where a ``LISTEN`` is
+        held (see ``db_listen``). Other databases poll."""
+        return self._conn.vendor == "postgresql" and self.listener.wait(timeout)
 
-    def _listening(self) -> Any:
-        if self._listener is None:
-            conn = self._conn
-            listener = conn.get_new_connection(conn.get_connection_params())
-            listener.autocommit = True
-            listener.execute("LISTEN django_jobs")
-            self._listener = listener
-        return self._listener
-
-    def _close_listener(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(Exception):  # it may be broken already
-                listener.close()
+    def prepare_to_wait(self) -> None:
+        """PostgreSQL: whether a ``LISTEN`` is held (see ``db_listen``), found out and logged now."""
+        if self._conn.vendor == "postgresql":
+            self.listener.held()
 
     def reset_connection(self) -> None:
-        self._close_listener()
+        self.listener.close()
         super().reset_connection()
 
     def close(self) -> None:
-        self._close_listener()
+        self.listener.close()
         self._conn.close()
 
     def size(self, queue: str) -> int:

@@ -25,7 +25,7 @@ from django_jobs.models import Job, JobAttempt
 from django_jobs.pipeline import JobContext
 from django_jobs.worker import QueueWorker, WorkerResult
 from tests.api_support import jobs_settings, runs
-from tests.backend_params import _db_expire, _redis_expire
+from tests.backend_params import ALL_DATABASES, _db_expire, _redis_expire
 from tests.testapp.jobs import scripted
 
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
@@ -35,14 +35,29 @@ HANDLER = "tests.testapp.jobs.scripted"
 HANDLER_KEY = f"handler:{HANDLER}"
 LEASE_TIMEOUT = 60
 # How each backend's lease is made to expire now (as a crashed worker's would).
-EXPIRE = {"default": _db_expire, "pg": _db_expire, "redis": _redis_expire}
+EXPIRE = {"default": _db_expire, "pg": _db_expire, "pgbouncer": _db_expire, "redis": _redis_expire}
 
 
-@pytest.fixture(params=["default", "pg", "redis"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The database backend on SQLite and on PostgreSQL, and Redis."""
+@pytest.fixture(
+    params=[
+        "default",
+        "pg",
+        # Through PgBouncer in transaction mode, in autocommit as a worker runs (its own
+        # transactions take the limits' row locks, each on whatever server session it gets).
+        pytest.param("pgbouncer", marks=pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)),
+        "redis",
+    ]
+)
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, settings: Any) -> str:
+    """The database backend on SQLite, on PostgreSQL direct and through PgBouncer, and Redis."""
     if request.param == "pg":
         request.getfixturevalue("postgres_up")
+    if request.param == "pgbouncer":
+        request.getfixturevalue("pgbouncer_up")
+        settings.JOBS = {
+            **settings.JOBS,
+            "BACKENDS": {**settings.JOBS["BACKENDS"], "pgbouncer": settings.PGBOUNCER_BACKEND},
+        }
     if request.param == "redis":
         request.getfixturevalue("redis_up")
         # Pushed at once: the test's own transaction never commits to run on_commit callbacks.

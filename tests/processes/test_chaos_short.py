@@ -1,5 +1,5 @@
-"""The chaos battery's short version (``bench/chaos_battery.py --short``) against PostgreSQL, Redis
-and Redis Sentinel.
+"""The chaos battery's short version (``bench/chaos_battery.py --short``) against PostgreSQL (direct,
+and through a PgBouncer of its own in transaction mode: ``--pgbouncer``), Redis and Redis Sentinel.
 
 ``bench/chaos_battery.py`` runs real ``jobs_work`` processes against a PRIVATE PostgreSQL server it
 initdb's and starts on a free loopback port (its own temp dir, never the shared server) and, for
@@ -53,7 +53,7 @@ from tests.servers import postgres_bindir
 SCRIPT = REPO_ROOT / "bench" / "chaos_battery.py"
 
 
-def run_chaos(backend: str, tmp_path: Any, scenarios: str) -> tuple[dict[str, Any], str]:
+def run_chaos(backend: str, tmp_path: Any, scenarios: str, *options: str) -> tuple[dict[str, Any], str]:
     out = tmp_path / f"chaos-{backend}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JOBS_TEST_", "CHAOS_"))}
     proc = subprocess.run(
@@ -67,6 +67,7 @@ def run_chaos(backend: str, tmp_path: Any, scenarios: str) -> tuple[dict[str, An
             "--short",
             "--out",
             str(out),
+            *options,
         ],
         cwd=REPO_ROOT,
         env=env,
@@ -234,6 +235,19 @@ def test_chaos_short_on_postgres(tmp_path, capsys):
     summary += "\n" + check_stall(report, log)
     with capsys.disabled():
         print("\n" + summary)
+
+
+@pytest.mark.slow
+def test_chaos_short_on_postgres_through_pgbouncer(tmp_path, capsys):
+    require_private_servers("pgbouncer")
+    report, log = run_chaos("postgres", tmp_path, "crash,tamper,dbrestart", "--pgbouncer")
+    assert report["pooler"].startswith("private PgBouncer (transaction pooling"), report["pooler"]
+    # The private PostgreSQL behind the pooler is crash-restarted twice; the workers stay
+    # connected to the pooler, which fails the transactions in flight and logs in again.
+    summary = check(report, log, broker_restarts=2)
+    summary += "\n" + check_dbrestart(report, log)
+    with capsys.disabled():
+        print("\n" + summary.replace("[chaos --short postgres", "[chaos --short postgres through PgBouncer"))
 
 
 @pytest.mark.slow

@@ -24,20 +24,34 @@ PG = "postgres"
 pytestmark = [
     pytest.mark.postgres,
     pytest.mark.slow,
-    pytest.mark.django_db(databases=["default", PG], transaction=True),
+    # (pgbouncer: the postgres database through the pooler, a connection of its own.)
+    pytest.mark.django_db(databases=["default", PG, "pgbouncer"], transaction=True),
     pytest.mark.usefixtures("postgres_up"),
 ]
-# The backends whose dependencies these tests exercise (their SideEffect rows are in PostgreSQL).
+# The backends whose dependencies these tests exercise (their SideEffect rows are in PostgreSQL):
+# the database backend direct and through PgBouncer in transaction mode, and Redis.
 BACKENDS = [
     pytest.param("pg", id="database-postgres"),
+    pytest.param("pgbouncer", id="database-pgbouncer"),
     pytest.param("redis", id="redis"),
     pytest.param("redis_sentinel", id="redis-sentinel"),
 ]
-# The fixture that brings each broker up (and, for Sentinel, adds its backend to the settings).
-SERVICE = {"redis": "redis_up", "redis_sentinel": "sentinel_backend"}
+# The fixture that brings each service up (and, for Sentinel and PgBouncer, adds the backend to
+# the settings).
+SERVICE = {"redis": "redis_up", "redis_sentinel": "sentinel_backend", "pgbouncer": "pgbouncer_backend"}
+# The database backend's: direct and through the pooler (their rows are in PostgreSQL).
+DATABASE = {"pg", "pgbouncer"}
 LEASE = 2.0
 MEMBERS = 1000
 WORKERS = 3
+
+
+@pytest.fixture
+def env(backend: str, request: pytest.FixtureRequest) -> dict[str, str]:
+    """The backend's service is up and the backend known here and to the workers: their environment."""
+    if backend in SERVICE:
+        request.getfixturevalue(SERVICE[backend])
+    return worker_env(LEASE)
 
 
 def effects(prefix: str) -> list[SideEffect]:
@@ -47,17 +61,15 @@ def effects(prefix: str) -> list[SideEffect]:
 def kept(backend: str) -> dict[str, bool]:
     """Options that leave a ``Job`` row of each completed job: a database job's row is its own; a
     broker keeps one (in the ``default`` database) only of a job that keeps its result."""
-    return {} if backend == "pg" else {"keep_result": True}
+    return {} if backend in DATABASE else {"keep_result": True}
 
 
 def job_rows(backend: str) -> QuerySet[Job]:
-    return Job.objects.using(PG if backend == "pg" else "default")
+    return Job.objects.using(PG if backend in DATABASE else "default")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_group_callback_runs_once_after_every_member(backend, request):
-    if backend in SERVICE:
-        request.getfixturevalue(SERVICE[backend])
+def test_a_group_callback_runs_once_after_every_member(backend, env):
     tag = f"group-{uuid.uuid4().hex[:10]}"
     members = [
         flow_step.using(backend=backend, **kept(backend)).prepare(None, f"{tag}-m{i}", PG) for i in range(MEMBERS)
@@ -68,7 +80,7 @@ def test_a_group_callback_runs_once_after_every_member(backend, request):
 
     with processes() as procs:
         for _ in range(WORKERS):
-            procs.worker("--backend", backend, "--verbosity", "0", env=worker_env(LEASE))
+            procs.worker("--backend", backend, "--verbosity", "0", env=env)
         wait_until(
             lambda: jobs.filter(pk=callback_id, status="completed").exists(), 120, "the group's callback to complete"
         )
@@ -88,9 +100,7 @@ def test_a_group_callback_runs_once_after_every_member(backend, request):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_chain_survives_the_worker_of_a_step_being_killed(backend, request):
-    if backend in SERVICE:
-        request.getfixturevalue(SERVICE[backend])
+def test_a_chain_survives_the_worker_of_a_step_being_killed(backend, env):
     tag = f"chain-{uuid.uuid4().hex[:10]}"
     quick = scripted.using(backend=backend, max_retries=2, backoff={"strategy": "none"}, **kept(backend))
     steps = [quick.prepare(action="ok", key=f"{tag}-{n}", db=PG) for n in (1, 2)]
@@ -103,7 +113,7 @@ def test_a_chain_survives_the_worker_of_a_step_being_killed(backend, request):
 
     with processes() as procs:
         for _ in range(2):
-            procs.worker("--backend", backend, "--prefetch", "1", env=worker_env(LEASE))
+            procs.worker("--backend", backend, "--prefetch", "1", env=env)
         running = wait_until(lambda: effects(f"{tag}-3"), 60, "step 3 to start")[0]
         os.kill(running.pid, signal.SIGKILL)  # the process running step 3, mid-step
         assert not effects(f"{tag}-4"), "the kill came after step 3 had ended"

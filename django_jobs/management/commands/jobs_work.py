@@ -97,7 +97,7 @@ class Command(BaseCommand):
         self.report.started(backend, queues, opts["concurrency"])
         if announce is not None:
             announce()
-        self.warn_if_not_persistent(backend)
+        self.under_the_start_line(backend)
         code = pool.run()
         if code == EXIT_UNREACHABLE:
             raise unreachable(get_backend(backend), None)
@@ -116,10 +116,11 @@ class Command(BaseCommand):
         sidecar = Sidecar("scheduler", functools.partial(jobs_schedule.serve, scheduler, self.stdout))
         return sidecar, functools.partial(jobs_schedule.announce, scheduler, self.stdout)
 
-    def warn_if_not_persistent(self, backend: QueueBackend | str) -> None:
+    def under_the_start_line(self, backend: QueueBackend | str) -> None:
         """A ``WARNING:`` line under the start line when a restart of the backend's server
-        would lose every queued job (Redis without AOF or RDB save points). A backend that
-        cannot be built here is left to the worker processes, which report why."""
+        would lose every queued job (Redis without AOF or RDB save points), and the backend's
+        word in the log on how idle workers will wait for work. A backend that cannot be built
+        or reached here is left to the worker processes, which report why."""
         if isinstance(backend, str):
             try:
                 backend = get_backend(backend)  # pool.run() closes it before forking
@@ -128,6 +129,8 @@ class Command(BaseCommand):
         warning = health.persistence_warning(backend)
         if warning is not None:
             self.report.warning(warning)
+        with contextlib.suppress(Exception):  # unreachable: the workers' first wait finds out
+            backend.prepare_to_wait()
 
     def work_here(self, worker: QueueWorker, limits: dict[str, Any]) -> None:
         """A bounded run of one process (``--once``, ``--max``) needs no supervisor: the worker
@@ -149,7 +152,7 @@ class Command(BaseCommand):
         previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS} if main else {}
         try:
             self.report.started(worker.backend.name, worker.queues, 1)
-            self.warn_if_not_persistent(worker.backend)
+            self.under_the_start_line(worker.backend)
             worker.run(**limits)
             if self.report.verbosity >= 1:
                 self.report.stopped()
