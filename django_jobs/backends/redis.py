@@ -31,8 +31,6 @@ from functools import cache
 from importlib.resources import files
 from typing import Any, NamedTuple
 
-from django.core.exceptions import ImproperlyConfigured
-
 from .. import conf, rows
 from ..envelope import Envelope
 from ..exceptions import (
@@ -46,7 +44,7 @@ from ..exceptions import (
 )
 from ..ids import time_of
 from ..retry import after_lost_run
-from . import redis_limits, require
+from . import redis_connection, redis_limits, require
 from .base import (
     NO_RESULT,
     AbortAsked,
@@ -92,8 +90,6 @@ LINK_BATCH = 500
 DRAIN_BATCH = 1000
 # Joins the ids of an edge in a member of the dependents and edges zsets (no job id holds it).
 SEP = "\0"
-# Seconds the persistence probe waits for the server (it runs at start-up and in health checks).
-PROBE_TIMEOUT = 5.0
 # A settle script's flag for a parent whose outcome entered the outbox: its dependents wait for
 # a drain (``reap.lua`` says 3 for its failed parents, as its 2 means something else).
 HAS_DEPENDENTS = 2
@@ -179,34 +175,20 @@ class RedisBackend(LimitedBackend):
     @property
     def client(self) -> Any:
         if self._client is None:
-            self._client = self._connect()
+            self._client = redis_connection.connect(self.name, self.options)
             names = SCRIPTS + redis_limits.SCRIPTS
             self._scripts = {name: self._client.register_script(_source(name)) for name in names}
         return self._client
 
-    def _connect(self) -> Any:
-        if self.options.get("CACHE"):
-            try:
-                from django_redis import get_redis_connection
-            except ImportError as exc:
-                raise ImproperlyConfigured(
-                    "OPTIONS['CACHE'] needs django-redis: pip install 'django-reliable-jobs[redis]'"
-                ) from exc
-            return get_redis_connection(self.options["CACHE"])
-        url = self.options.get("URL")
-        if not url:
-            raise ImproperlyConfigured(f"redis backend {self.name!r} needs OPTIONS['URL'] or OPTIONS['CACHE']")
-        return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
-
     def where(self) -> str:
         try:
-            address = _address(self.client)  # builds the client; connects on its first command
+            address = redis_connection.address(self.client)  # builds the client; connects on its first command
         except Exception:  # noqa: BLE001 - a description must not fail
             address = "?"
         return f"backend {self.name!r} (redis at {address})"
 
     def close(self) -> None:
-        if self._client is not None and not self.options.get("CACHE"):
+        if self._client is not None and not redis_connection.shared(self.options):
             self._client.connection_pool.disconnect()
         self._client = None
 
@@ -849,7 +831,7 @@ class RedisBackend(LimitedBackend):
         tells AOF and whether an RDB snapshot was ever written since the server started."""
         client, throwaway = self._probe_client()
         try:
-            where = _address(client)
+            where = redis_connection.address(client)
             try:
                 aof = _text(client.config_get("appendonly").get("appendonly"))
                 save = _text(client.config_get("save").get("save"))
@@ -875,12 +857,11 @@ class RedisBackend(LimitedBackend):
                 client.close()
 
     def _probe_client(self) -> tuple[Any, bool]:
-        """A client that gives up after ``PROBE_TIMEOUT`` (from ``URL``: its own, to close), or
-        the cache's (``CACHE``: its own timeouts apply)."""
-        if self.options.get("CACHE") or not self.options.get("URL"):
+        """A client that gives up after ``redis_connection.PROBE_TIMEOUT`` (its own, to close),
+        or the cache's (``CACHE``: its own timeouts apply)."""
+        if redis_connection.shared(self.options):
             return self.client, False
-        url = self.options["URL"]
-        return redis.Redis.from_url(url, socket_connect_timeout=PROBE_TIMEOUT, socket_timeout=PROBE_TIMEOUT), True
+        return redis_connection.connect(self.name, self.options, probe=True), True
 
     def purge_failed(self, queue: str, older_than: timedelta | None = None) -> int:
         keys = self.keys(queue)
@@ -894,12 +875,6 @@ class RedisBackend(LimitedBackend):
             pipe.hdel(keys.priorities, *ids)
             pipe.execute()
         return len(ids)
-
-
-def _address(client: Any) -> str:
-    """``host:port`` (or the socket path) a client talks to, for messages."""
-    kwargs = client.connection_pool.connection_kwargs
-    return str(kwargs["path"]) if kwargs.get("path") else f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
 
 
 def _text(value: Any) -> str:
