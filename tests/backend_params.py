@@ -101,6 +101,13 @@ BACKEND_PARAMS = [
     ),
     pytest.param(BackendCase("sync"), id="sync", marks=[DB]),
     pytest.param(BackendCase("redis", fixtures=("redis_up",), expire=_redis_expire), id="redis", marks=[DB]),
+    pytest.param(
+        BackendCase(
+            "redis_cluster", fixtures=("redis_cluster_up",), expire=_redis_expire, config=settings.REDIS_CLUSTER
+        ),
+        id="redis-cluster",
+        marks=[DB],
+    ),
     pytest.param(BackendCase("beanstalk", fixtures=("beanstalk_up",)), id="beanstalk", marks=[DB]),
     # Azure Service Bus, on the in-memory namespace of tests/fake_servicebus.py (real backend, fake SDK
     # clients); the live case runs the same tests against a real namespace when one is configured.

@@ -100,6 +100,33 @@ def redis_up():
     client.close()
 
 
+def redis_cluster_reachable() -> tuple[bool, str]:
+    import redis
+    from django.conf import settings
+
+    try:
+        client = redis.RedisCluster.from_url(settings.REDIS_CLUSTER_URL, socket_connect_timeout=3)
+    except Exception as exc:  # noqa: BLE001
+        return False, f"{settings.REDIS_CLUSTER_URL}: {exc}"
+    client.close()
+    return True, ""
+
+
+@pytest.fixture
+def redis_cluster_up():
+    """The Redis Cluster is reachable (every slot served), and this session's keys are gone
+    from every primary before the test starts."""
+    import redis
+    from django.conf import settings
+
+    require_service("Redis Cluster", *redis_cluster_reachable())
+    client = redis.RedisCluster.from_url(settings.REDIS_CLUSTER_URL)
+    for key in client.scan_iter(match=f"{settings.REDIS_PREFIX}:*", count=1000):
+        client.delete(key)
+    yield client
+    client.close()
+
+
 @pytest.fixture
 def redis_backend(redis_up):
     """The configured ``redis`` backend; this session's keys are deleted after the test."""
@@ -112,6 +139,28 @@ def redis_backend(redis_up):
     left = list(redis_up.scan_iter(match=f"{instance.prefix}:*", count=1000))
     if left:
         redis_up.delete(*left)
+
+
+@pytest.fixture(params=[pytest.param(False, id="single"), pytest.param(True, id="cluster")])
+def redis_topology_backend(request):
+    """The backend named ``redis`` on the single Redis (``redis_backend``), then, under the same
+    name, on the Redis Cluster: tests written for one server run unchanged on both."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    from django_jobs.backends import get_backend
+
+    if not request.param:
+        yield request.getfixturevalue("redis_backend")
+        return
+    client = request.getfixturevalue("redis_cluster_up")
+    backends = {**settings.JOBS["BACKENDS"], "redis": settings.REDIS_CLUSTER}
+    with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends}):
+        instance = get_backend("redis")
+        yield instance
+        instance.close()
+    for key in client.scan_iter(match=f"{settings.REDIS_PREFIX}:*", count=1000):
+        client.delete(key)
 
 
 def _beanstalk_reachable(host: str, port: int) -> bool:

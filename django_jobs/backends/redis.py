@@ -90,6 +90,9 @@ LINK_BATCH = 500
 DRAIN_BATCH = 1000
 # Joins the ids of an edge in a member of the dependents and edges zsets (no job id holds it).
 SEP = "\0"
+# Seconds a worker whose queues span several cluster slots blocks on one slot's notify lists
+# before it looks at the next slot's: its wake-up latency is up to (slots - 1) times this.
+CLUSTER_WAIT_SLICE = 0.05
 # A settle script's flag for a parent whose outcome entered the outbox: its dependents wait for
 # a drain (``reap.lua`` says 3 for its failed parents, as its 2 means something else).
 HAS_DEPENDENTS = 2
@@ -154,7 +157,8 @@ class RedisBackend(LimitedBackend):
 
     limits: redis_limits.RedisLimits
 
-    unavailable_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+    # ClusterError: a cluster whose slots are not all served (CLUSTERDOWN, while a replica takes over).
+    unavailable_errors = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError, OSError)
     supports_priority = True
     pipelines_ack_fetch = True
     supports_prefetch = True
@@ -189,7 +193,7 @@ class RedisBackend(LimitedBackend):
 
     def close(self) -> None:
         if self._client is not None and not redis_connection.shared(self.options):
-            self._client.connection_pool.disconnect()
+            redis_connection.disconnect(self._client)
         self._client = None
 
     def keys(self, queue: str) -> QueueKeys:
@@ -199,37 +203,51 @@ class RedisBackend(LimitedBackend):
             keys = self._keys[queue] = QueueKeys.of(self.prefix, queue)
         return keys
 
-    def _run(self, script: str, queue: str, *args: Any, client: Any = None) -> Any:
+    def _run(self, script: str, queue: str, *args: Any) -> Any:
         """Run one Lua script on ``queue``: every script gets all the queue's keys, in
         :class:`QueueKeys` order."""
-        return self.run_script(script, self.keys(queue), args, client=client)
+        return self.run_script(script, self.keys(queue), args)
 
-    def run_script(self, script: str, keys: Sequence[str], args: Sequence[Any], client: Any = None) -> Any:
-        """Run one registered Lua script (``client``: a pipeline to queue it on)."""
+    def run_script(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run one registered Lua script (loaded again if the server lost it)."""
         self.client  # noqa: B018  (connects and registers the scripts)
-        return self._scripts[script](keys=list(keys), args=list(args), client=client)
+        return self._scripts[script](keys=list(keys), args=list(args))
+
+    def script_call(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, ...]:
+        """A command of :meth:`send` that runs one registered Lua script, by its SHA alone (a
+        redis-py pipeline given the script itself first asks the server whether it has it, a
+        round trip more; a cluster's pipeline refuses it)."""
+        self.client  # noqa: B018  (connects and registers the scripts)
+        return ("execute_command", "EVALSHA", self._scripts[script].sha, len(keys), *keys, *args)
 
     def batch(self, script: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], *reads: Any) -> list[Any]:
         """One round trip: ``reads`` (``(client method name, *args)``), then ``script`` once
-        per (keys, args) of ``calls``; their replies, in order. The script goes by its SHA
-        alone: a pipeline given the script itself first asks the server whether it has it, a
-        round trip more. A server that lost it (restarted) ran none of the calls: it is loaded
-        again and the batch resent."""
-        self.client  # noqa: B018  (connects and registers the scripts)
-        lua = self._scripts[script]
-        try:
-            return self._send(lua.sha, calls, reads)
-        except redis.exceptions.NoScriptError:
-            self.client.script_load(lua.script)
-            return self._send(lua.sha, calls, reads)
+        per (keys, args) of ``calls``; their replies, in order."""
+        return self.send([*reads, *(self.script_call(script, keys, args) for keys, args in calls)])
 
-    def _send(self, sha: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], reads: Sequence[Any]) -> list[Any]:
+    def send(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """``commands`` (``(client method name, *args)``, or :meth:`script_call`'s) in one
+        pipeline, not a transaction (a cluster sends each server its share); their replies, in
+        order. A script call that found its script gone (a restarted server, a promoted replica)
+        did not run: the scripts are loaded again (on every primary) and those calls alone are
+        sent again. Then the first error is raised, as a pipeline does."""
+        replies = self._pipe(commands)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, redis.exceptions.NoScriptError)]
+        if missing:
+            for lua in self._scripts.values():
+                self.client.script_load(lua.script)
+            for i, reply in zip(missing, self._pipe([commands[i] for i in missing]), strict=True):
+                replies[i] = reply
+        error = next((reply for reply in replies if isinstance(reply, Exception)), None)
+        if error is not None:
+            raise error
+        return replies
+
+    def _pipe(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
-        for method, *args in reads:
+        for method, *args in commands:
             getattr(pipe, method)(*args)
-        for keys, args in calls:
-            pipe.evalsha(sha, len(keys), *keys, *args)
-        return list(pipe.execute())
+        return list(pipe.execute(raise_on_error=False))
 
     def _fenced(self, script: str, lease: Lease, *args: Any) -> int:
         """Run a settle script fenced on ``lease``; its flag (0 raises ``LeaseLost``)."""
@@ -240,24 +258,21 @@ class RedisBackend(LimitedBackend):
 
     # -- protocol --
 
-    def _push(self, envelope: Envelope, client: Any) -> None:
-        """Queue on ``client`` (a pipeline) what stores ``envelope``: with parents, its open
-        edges (``DRAIN_BATCH`` to a command), then itself blocked; else as :meth:`_store` does."""
+    def _push(self, envelope: Envelope) -> list[tuple[Any, ...]]:
+        """The commands (for :meth:`send`) that store ``envelope``: with parents, its open edges
+        (``DRAIN_BATCH`` to a command), then itself blocked; else as :meth:`_store` does."""
+        keys = self.keys(envelope.queue)
         parents = _parents(envelope)
         if not parents:
-            self._store(envelope, client)
-            return
-        edges = self.keys(envelope.queue).edges
-        for chunk in rows.chunked([f"{envelope.id}{SEP}{parent}" for parent in parents], DRAIN_BATCH):
-            client.zadd(edges, dict.fromkeys(chunk, 0))
+            return [self.script_call("enqueue", keys, _store_args(envelope))]
+        members = [f"{envelope.id}{SEP}{parent}" for parent in parents]
+        edges = [("zadd", keys.edges, dict.fromkeys(chunk, 0)) for chunk in rows.chunked(members, DRAIN_BATCH)]
         body, priority = envelope.to_bytes(), _priority(envelope)
-        self._run("block", envelope.queue, envelope.id, body, priority, len(parents), client=client)
+        return [*edges, self.script_call("block", keys, (envelope.id, body, priority, len(parents)))]
 
-    def _store(self, envelope: Envelope, client: Any = None) -> Any:
+    def _store(self, envelope: Envelope) -> Any:
         """Store ``envelope`` ready, or delayed until its ``available_at``."""
-        due = envelope.available_at.timestamp() if envelope.available_at else 0
-        body, priority = envelope.to_bytes(), _priority(envelope)
-        return self._run("enqueue", envelope.queue, envelope.id, body, priority, _ms(due), _ms(), client=client)
+        return self._run("enqueue", envelope.queue, *_store_args(envelope))
 
     def enqueue(self, envelope: Envelope) -> str:
         self.enqueue_many([envelope])
@@ -274,10 +289,7 @@ class RedisBackend(LimitedBackend):
         children are attached to their parents, which are stored by then even when they are in
         this batch."""
         for batch in rows.chunked(envelopes, DRAIN_BATCH):
-            pipe = self.client.pipeline(transaction=False)
-            for envelope in batch:
-                self._push(envelope, pipe)
-            pipe.execute()
+            self.send([command for envelope in batch for command in self._push(envelope)])
         edges = [(e.id, e.queue, parent) for e in envelopes for parent in _parents(e)]
         if edges:
             self._attach(edges)
@@ -599,10 +611,7 @@ class RedisBackend(LimitedBackend):
         pipeline; their replies."""
         replies: list[Any] = []
         for batch in rows.chunked(calls, DRAIN_BATCH):
-            pipe = self.client.pipeline(transaction=False)
-            for queue, args in batch:
-                self._run(script, queue, *args, client=pipe)
-            replies += pipe.execute()
+            replies += self.batch(script, [(self.keys(queue), args) for queue, args in batch])
         return replies
 
     def _drain(self, parents: list[tuple[str, str]]) -> int:
@@ -788,8 +797,18 @@ class RedisBackend(LimitedBackend):
             timeout = min(timeout, max(min(dues) - now, 0.0))
         if timeout < 0.01:
             return True
-        self.client.blpop([self.keys(q).notify for q in queues], timeout=timeout)
-        return True
+        groups = redis_connection.by_slot(self.client, [self.keys(q).notify for q in queues])
+        if len(groups) == 1:
+            self.client.blpop(groups[0], timeout=timeout)
+            return True
+        # BLPOP takes the keys of one cluster slot: block on each slot's lists in turn, a
+        # moment each, until one is woken or the time is up.
+        end = time.monotonic() + timeout
+        while True:
+            for keys in groups:
+                left = end - time.monotonic()
+                if left < 0.01 or self.client.blpop(keys, timeout=min(left, CLUSTER_WAIT_SLICE)):
+                    return True
 
     def size(self, queue: str) -> int:
         counts = self.stats(queue)
@@ -826,32 +845,12 @@ class RedisBackend(LimitedBackend):
         return max(now - min(since), 0.0) if since else None
 
     def persistence_warning(self) -> str | None:
-        """``CONFIG GET appendonly`` and ``save``: neither AOF nor an RDB save point means a
-        restart loses everything. Where CONFIG is disabled (managed Redis), ``INFO persistence``
-        tells AOF and whether an RDB snapshot was ever written since the server started."""
+        """Whether a restart of the server (of any primary of a cluster) loses queued jobs: see
+        :func:`_persistence_warning`."""
         client, throwaway = self._probe_client()
         try:
-            where = redis_connection.address(client)
-            try:
-                aof = _text(client.config_get("appendonly").get("appendonly"))
-                save = _text(client.config_get("save").get("save"))
-            except redis.ResponseError:  # CONFIG is disabled or not allowed
-                info = client.info("persistence")
-                if (
-                    info.get("aof_enabled")
-                    or info.get("rdb_saves", 0)
-                    or info.get("rdb_last_bgsave_time_sec", -1) != -1
-                ):
-                    return None
-                return (
-                    f"Redis at {where} has AOF off and has written no RDB snapshot since it started (its save points "
-                    "are unknown: CONFIG is disabled): a restart may lose every queued job"
-                )
-            if aof == "yes" or save.strip():
-                return None
-            return (
-                f"Redis at {where} keeps nothing on disk (no AOF, no RDB save points): a restart loses every queued job"
-            )
+            warnings = [w for server in redis_connection.servers(client) if (w := _persistence_warning(server))]
+            return "; ".join(warnings) or None
         finally:
             if throwaway:
                 client.close()
@@ -877,8 +876,35 @@ class RedisBackend(LimitedBackend):
         return len(ids)
 
 
+def _persistence_warning(server: Any) -> str | None:
+    """``CONFIG GET appendonly`` and ``save``: neither AOF nor an RDB save point means a
+    restart loses everything. Where CONFIG is disabled (managed Redis), ``INFO persistence``
+    tells AOF and whether an RDB snapshot was ever written since the server started."""
+    where = redis_connection.address(server)
+    try:
+        aof = _text(server.config_get("appendonly").get("appendonly"))
+        save = _text(server.config_get("save").get("save"))
+    except redis.ResponseError:  # CONFIG is disabled or not allowed
+        info = server.info("persistence")
+        if info.get("aof_enabled") or info.get("rdb_saves", 0) or info.get("rdb_last_bgsave_time_sec", -1) != -1:
+            return None
+        return (
+            f"Redis at {where} has AOF off and has written no RDB snapshot since it started (its save points "
+            "are unknown: CONFIG is disabled): a restart may lose every queued job"
+        )
+    if aof == "yes" or save.strip():
+        return None
+    return f"Redis at {where} keeps nothing on disk (no AOF, no RDB save points): a restart loses every queued job"
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
+def _store_args(envelope: Envelope) -> tuple[Any, ...]:
+    """``enqueue.lua``'s arguments: ready, or delayed until its ``available_at``."""
+    due = envelope.available_at.timestamp() if envelope.available_at else 0
+    return envelope.id, envelope.to_bytes(), _priority(envelope), _ms(due), _ms()
 
 
 def _priority(envelope: Envelope) -> int:
