@@ -141,6 +141,19 @@ def redis_backend(redis_up):
         redis_up.delete(*left)
 
 
+@pytest.fixture
+def redis_cluster_in_settings(redis_cluster_up, monkeypatch):
+    """The backend ``redis_cluster`` in ``JOBS["BACKENDS"]``, here and in worker subprocesses
+    (tests/settings.py adds it when ``JOBS_TEST_REDIS_CLUSTER`` is set)."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    monkeypatch.setenv("JOBS_TEST_REDIS_CLUSTER", "1")
+    backends = {**settings.JOBS["BACKENDS"], "redis_cluster": settings.REDIS_CLUSTER}
+    with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends}):
+        yield redis_cluster_up
+
+
 @pytest.fixture(params=[pytest.param(False, id="single"), pytest.param(True, id="cluster")])
 def redis_topology_backend(request):
     """The backend named ``redis`` on the single Redis (``redis_backend``), then, under the same

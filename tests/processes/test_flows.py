@@ -1,4 +1,4 @@
-"""Groups and chains run by several real ``manage.py jobs_work`` processes on PostgreSQL.
+"""Groups and chains run by several real ``manage.py jobs_work`` processes on PostgreSQL, Redis and a Redis Cluster.
 
 Each run of a step records a ``SideEffect`` row (its key and the pid of the process that ran
 it), so a test sees what ran, in which order, by which process, and how often.
@@ -31,10 +31,17 @@ pytestmark = [
 BACKENDS = [
     pytest.param("pg", id="database-postgres"),
     pytest.param("redis", id="redis"),
+    pytest.param("redis_cluster", id="redis-cluster"),
 ]
+# The fixture that brings each broker up (the cluster's backend joins the settings, here and
+# in the workers).
+SERVICES = {"redis": "redis_up", "redis_cluster": "redis_cluster_in_settings"}
 LEASE = 2.0
 MEMBERS = 1000
 WORKERS = 3
+# A group's members and its callback spread over these (three slots on different primaries of
+# the test Redis Cluster: each release crosses from one queue's slot to another's).
+QUEUES = ["default", "other", "emails"]
 
 
 def effects(prefix: str) -> list[SideEffect]:
@@ -53,19 +60,20 @@ def job_rows(backend: str) -> QuerySet[Job]:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_group_callback_runs_once_after_every_member(backend, request):
-    if backend == "redis":
-        request.getfixturevalue("redis_up")
+    if backend in SERVICES:
+        request.getfixturevalue(SERVICES[backend])
     tag = f"group-{uuid.uuid4().hex[:10]}"
     members = [
-        flow_step.using(backend=backend, **kept(backend)).prepare(None, f"{tag}-m{i}", PG) for i in range(MEMBERS)
+        flow_step.using(backend=backend, queue=QUEUES[i % 3], **kept(backend)).prepare(None, f"{tag}-m{i}", PG)
+        for i in range(MEMBERS)
     ]
-    callback = flow_step.using(backend=backend, keep_result=True).prepare(None, f"{tag}-done", PG)
+    callback = flow_step.using(backend=backend, queue="other", keep_result=True).prepare(None, f"{tag}-done", PG)
     *member_ids, callback_id = group(*members).then(callback).dispatch()
     jobs = job_rows(backend)
 
     with processes() as procs:
         for _ in range(WORKERS):
-            procs.worker("--backend", backend, "--verbosity", "0", env=worker_env(LEASE))
+            procs.worker(*QUEUES, "--backend", backend, "--verbosity", "0", env=worker_env(LEASE))
         wait_until(
             lambda: jobs.filter(pk=callback_id, status="completed").exists(), 120, "the group's callback to complete"
         )
@@ -86,8 +94,8 @@ def test_a_group_callback_runs_once_after_every_member(backend, request):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_chain_survives_the_worker_of_a_step_being_killed(backend, request):
-    if backend == "redis":
-        request.getfixturevalue("redis_up")
+    if backend in SERVICES:
+        request.getfixturevalue(SERVICES[backend])
     tag = f"chain-{uuid.uuid4().hex[:10]}"
     quick = scripted.using(backend=backend, max_retries=2, backoff={"strategy": "none"}, **kept(backend))
     steps = [quick.prepare(action="ok", key=f"{tag}-{n}", db=PG) for n in (1, 2)]
