@@ -52,7 +52,7 @@ ORDER = ("crash", "poison", "tamper", "shutdown", "soak", "dbrestart", "flows", 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", required=True, choices=("postgres", "redis", "beanstalk"))
+    parser.add_argument("--backend", required=True, choices=("postgres", "redis", "redis-cluster", "beanstalk"))
     parser.add_argument(
         "--scenario",
         default="all",
@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         return _run_from_snapshot(args.code, list(sys.argv[1:] if argv is None else argv))
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
     workdir = Path(tempfile.mkdtemp(prefix=f"chaos-{args.backend}-"))
-    from bench.chaos.servers import Postgres, PrivateBeanstalkd, PrivatePostgres, PrivateRedis
+    from bench.chaos.servers import Postgres, PrivateBeanstalkd, PrivatePostgres, PrivateRedis, PrivateRedisCluster
+
+    # redis-cluster: the redis engine on a private cluster (its crash restarts are failovers).
+    kind = "redis" if args.backend == "redis-cluster" else args.backend
 
     database: PrivatePostgres | None = None
     if args.pg_external:
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         database = PrivatePostgres()
         pg = Postgres(args.db_name, database.host, str(database.port), database.user)
     env = {
-        "CHAOS_BACKEND": args.backend,
+        "CHAOS_BACKEND": kind,
         "CHAOS_PG_NAME": args.db_name,
         "CHAOS_PG_HOST": pg.host,
         "CHAOS_PG_PORT": str(pg.port),
@@ -160,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
             server.start()
             env["CHAOS_REDIS_URL"] = server.url
             report["redis_version"] = _version(["redis-server", "--version"])
+        elif args.backend == "redis-cluster":
+            server = PrivateRedisCluster(workdir / "cluster")
+            server.start()
+            env["CHAOS_REDIS_CLUSTER_NODES"] = ",".join(f"{host}:{port}" for host, port in server.startup_nodes)
+            report["redis_version"] = _version(["redis-server", "--version"])
         elif args.backend == "beanstalk":
             server = PrivateBeanstalkd(workdir)
             server.start()
@@ -189,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         report["django"] = django.get_version()
         report["django_jobs_commit"] = _code_version()
         ctx = Context(
-            kind=args.backend,
+            kind=kind,
             short=args.short,
             workdir=workdir,
             env=worker_env,
-            probe=Probe(args.backend, server),
+            probe=Probe(kind, server),
             server=server if server is not None else database,
             database=database,
             outage=args.outage,
