@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Drain throughput of the Redis backend on one Redis and on a Redis Cluster, in one run.
+
+    flock /tmp/bench.lock python bench/topology.py --n 20000 --rounds 1
+
+Each cell pre-dispatches N no-op jobs (``enqueue_many``, spread evenly over the cell's queues),
+then starts one ``jobs_work --concurrency 1`` process per queue (worker i consumes queue i)
+and polls the backlog (ready + delayed + leased, every queue) every 50 ms. Drain jobs/s is
+what left the backlog between the first poll that saw it shrink and the poll that saw it empty,
+over that time: interpreter start and Django set-up are excluded. Cells:
+
+* ``1 queue``: one queue (``default``), one worker, as the anchors harness drains;
+* ``3 queues``: ``emails``, ``default`` and ``other``, whose hash tags fall on the three
+  primaries of the test cluster (slots 3728, 5718, 11361), three workers.
+
+The single Redis is ``--single`` (default DB 12 of the shared Redis), the cluster ``--cluster``
+(scripts/services.d/redis-cluster.sh). Keys live under their own prefix, deleted before each
+cell. Prints a markdown table (median over rounds); nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+SHAPES = {"1 queue": ["default"], "3 queues": ["emails", "default", "other"]}
+TOPOLOGIES = {"redis": "single Redis", "redis_cluster": "Redis Cluster (3 primaries)"}
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=20000, help="jobs per cell (default 20000)")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--single", default="redis://127.0.0.1:6379/12")
+    parser.add_argument("--cluster", default="redis://127.0.0.1:7000/0")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds a drain may take")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse()
+    workdir = Path(tempfile.mkdtemp(prefix="bench-topology-"))
+    env = dict(os.environ)
+    env.update(
+        DJANGO_SETTINGS_MODULE="settings",
+        BENCH_SYSTEM="jobs",
+        BENCH_DB="sqlite",
+        BENCH_SQLITE_PATH=str(workdir / "bench.sqlite3"),
+        BENCH_REDIS_URL=args.single,
+        BENCH_REDIS_CLUSTER_URL=args.cluster,
+        BENCH_REDIS_PREFIX=f"benchtopo{os.getpid()}",
+        BENCH_QUEUES=",".join(dict.fromkeys(q for queues in SHAPES.values() for q in queues)),
+        PYTHONPATH=os.pathsep.join([str(HERE), str(REPO), env.get("PYTHONPATH", "")]),
+    )
+    os.environ.update(env)
+    sys.path[:0] = [str(HERE), str(REPO)]
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    figures: dict[tuple[str, str], list[float]] = {}
+    for round_ in range(args.rounds):
+        for shape, queues in SHAPES.items():
+            for backend, label in TOPOLOGIES.items():
+                rate = drain(backend, queues, args.n, env, workdir, args.timeout)
+                figures.setdefault((shape, backend), []).append(rate)
+                print(f"round {round_ + 1}: {shape}, {label}: {rate:.0f} jobs/s", file=sys.stderr)
+    print(f"| cell (N={args.n}, {args.rounds} round(s)) | " + " | ".join(TOPOLOGIES.values()) + " | cluster / single |")
+    print("|---|" + "---:|" * (len(TOPOLOGIES) + 1))
+    for shape, queues in SHAPES.items():
+        single, cluster = (statistics.median(figures[(shape, b)]) for b in TOPOLOGIES)
+        print(f"| {shape}, {len(queues)} worker(s) | {single:.0f} | {cluster:.0f} | {cluster / single:.2f} |")
+    return 0
+
+
+def drain(name: str, queues: list[str], n: int, env: dict[str, str], workdir: Path, timeout: float) -> float:
+    """Drain jobs/s of ``n`` jobs over ``queues``, one worker each, on backend ``name``."""
+    from benchjobs import noop_job
+
+    from django_jobs.backends import get_backend
+
+    backend = get_backend(name)
+    clear(backend)
+    envelopes = [noop_job.using(backend=name, queue=queues[i % len(queues)]).builder().build() for i in range(n)]
+    for start in range(0, n, 1000):
+        backend.enqueue_many(envelopes[start : start + 1000])
+    assert backlog(backend, queues) == n, "not every job was stored"
+    workers = []
+    for i, queue in enumerate(queues):
+        log = open(workdir / f"{name}-{queue}-{i}.log", "wb")  # noqa: SIM115 (the child keeps it)
+        command = [sys.executable, str(HERE / "manage.py"), "jobs_work", queue, "--backend", name]
+        workers.append(
+            subprocess.Popen(
+                [*command, "--concurrency", "1", "--verbosity", "0"], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        )
+        log.close()
+    try:
+        deadline, first = time.monotonic() + timeout, None
+        while (left := backlog(backend, queues)) > 0:
+            if first is None and left < n:
+                first = (time.monotonic(), left)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: {left} jobs left after {timeout} s (logs in {workdir})")
+            time.sleep(0.05)
+        end = time.monotonic()
+    finally:
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            worker.wait(30)
+    assert first is not None
+    return first[1] / (end - first[0])
+
+
+def backlog(backend: object, queues: list[str]) -> int:
+    return sum(backend.size(q) for q in queues)  # type: ignore[attr-defined]
+
+
+def clear(backend: object) -> None:
+    """Delete this run's keys (on every primary of a cluster)."""
+    from django_jobs.backends import redis_connection
+
+    client = backend.client  # type: ignore[attr-defined]
+    prefix = backend.prefix  # type: ignore[attr-defined]
+    for server in redis_connection.servers(client):
+        keys = list(server.scan_iter(match=f"{prefix}:*", count=1000))
+        for start in range(0, len(keys), 500):
+            server.delete(*keys[start : start + 500])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
