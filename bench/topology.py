@@ -7,7 +7,10 @@ Each cell pre-dispatches N no-op jobs (``enqueue_many``, spread evenly over the 
 then starts one ``jobs_work --concurrency 1`` process per queue (worker i consumes queue i)
 and polls the backlog (ready + delayed + leased, every queue) every 50 ms. Drain jobs/s is
 what left the backlog between the first poll that saw it shrink and the poll that saw it empty,
-over that time: interpreter start and Django set-up are excluded. Cells:
+over that time: interpreter start and Django set-up are excluded. Beside it, the busiest
+server's load: the CPU seconds the busiest Redis server (``INFO cpu``, user + sys) spent during
+the drain over its wall time (1.0: that server was the bottleneck; the shared Redis also serves
+whatever else runs on the machine). Cells:
 
 * ``1 queue``: one queue (``default``), one worker, as the anchors harness drains;
 * ``3 queues``: ``emails``, ``default`` and ``other``, whose hash tags fall on the three
@@ -68,23 +71,32 @@ def main() -> int:
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)
-    figures: dict[tuple[str, str], list[float]] = {}
+    figures: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for round_ in range(args.rounds):
         for shape, queues in SHAPES.items():
             for backend, label in TOPOLOGIES.items():
-                rate = drain(backend, queues, args.n, env, workdir, args.timeout)
-                figures.setdefault((shape, backend), []).append(rate)
-                print(f"round {round_ + 1}: {shape}, {label}: {rate:.0f} jobs/s", file=sys.stderr)
-    print(f"| cell (N={args.n}, {args.rounds} round(s)) | " + " | ".join(TOPOLOGIES.values()) + " | cluster / single |")
+                rate, load = drain(backend, queues, args.n, env, workdir, args.timeout)
+                figures.setdefault((shape, backend), []).append((rate, load))
+                print(f"round {round_ + 1}: {shape}, {label}: {rate:.0f} jobs/s, load {load:.2f}", file=sys.stderr)
+    labels = " | ".join(f"{label}: jobs/s (busiest server's load)" for label in TOPOLOGIES.values())
+    print(f"| cell (N={args.n}, {args.rounds} round(s)) | {labels} | cluster / single |")
     print("|---|" + "---:|" * (len(TOPOLOGIES) + 1))
     for shape, queues in SHAPES.items():
-        single, cluster = (statistics.median(figures[(shape, b)]) for b in TOPOLOGIES)
-        print(f"| {shape}, {len(queues)} worker(s) | {single:.0f} | {cluster:.0f} | {cluster / single:.2f} |")
+        (single, single_load), (cluster, cluster_load) = (
+            tuple(statistics.median(f[i] for f in figures[(shape, b)]) for i in (0, 1)) for b in TOPOLOGIES
+        )
+        print(
+            f"| {shape}, {len(queues)} worker(s) | {single:.0f} ({single_load:.2f}) | {cluster:.0f} "
+            f"({cluster_load:.2f}) | {cluster / single:.2f} |"
+        )
     return 0
 
 
-def drain(name: str, queues: list[str], n: int, env: dict[str, str], workdir: Path, timeout: float) -> float:
-    """Drain jobs/s of ``n`` jobs over ``queues``, one worker each, on backend ``name``."""
+def drain(
+    name: str, queues: list[str], n: int, env: dict[str, str], workdir: Path, timeout: float
+) -> tuple[float, float]:
+    """Drain jobs/s of ``n`` jobs over ``queues``, one worker each, on backend ``name``, and the
+    busiest server's CPU seconds per second of the drain."""
     from benchjobs import noop_job
 
     from django_jobs.backends import get_backend
@@ -106,21 +118,29 @@ def drain(name: str, queues: list[str], n: int, env: dict[str, str], workdir: Pa
         )
         log.close()
     try:
-        deadline, first = time.monotonic() + timeout, None
+        deadline, first, cpu = time.monotonic() + timeout, None, cpu_seconds(backend)
         while (left := backlog(backend, queues)) > 0:
             if first is None and left < n:
-                first = (time.monotonic(), left)
+                first, cpu = (time.monotonic(), left), cpu_seconds(backend)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name}: {left} jobs left after {timeout} s (logs in {workdir})")
             time.sleep(0.05)
-        end = time.monotonic()
+        end, busy = time.monotonic(), [after - before for before, after in zip(cpu, cpu_seconds(backend), strict=True)]
     finally:
         for worker in workers:
             worker.terminate()
         for worker in workers:
             worker.wait(30)
     assert first is not None
-    return first[1] / (end - first[0])
+    return first[1] / (end - first[0]), max(busy) / (end - first[0])
+
+
+def cpu_seconds(backend: object) -> list[float]:
+    """CPU seconds (user + sys) each server of ``backend`` has used since it started."""
+    from django_jobs.backends import redis_connection
+
+    infos = [server.info("cpu") for server in redis_connection.servers(backend.client)]  # type: ignore[attr-defined]
+    return [float(info["used_cpu_user"]) + float(info["used_cpu_sys"]) for info in infos]
 
 
 def backlog(backend: object, queues: list[str]) -> int:
