@@ -6,11 +6,13 @@
 Each cell pre-dispatches N no-op jobs (``enqueue_many``, spread evenly over the cell's queues),
 then starts one ``jobs_work --concurrency 1`` process per queue (worker i consumes queue i)
 and polls the backlog (ready + delayed + leased, every queue) every 50 ms. Drain jobs/s is
-what left the backlog between the first poll that saw it shrink and the poll that saw it empty,
-over that time: interpreter start and Django set-up are excluded. Beside it, the busiest
+what left the backlog between the first poll after every worker forked its process (start-up
+done) and the poll that saw it empty, over that time: interpreter start and Django set-up are
+excluded. Beside it, the busiest
 server's load: the CPU seconds the busiest Redis server (``INFO cpu``, user + sys) spent during
 the drain over its wall time (1.0: that server was the bottleneck; the shared Redis also serves
-whatever else runs on the machine). Cells:
+whatever else runs on the machine), and the workers' CPU time per job (``/proc``: the worker
+processes, user + sys, over the same span). Cells:
 
 * ``1 queue``: one queue (``default``), one worker, as the anchors harness drains;
 * ``3 queues``: ``emails``, ``default`` and ``other``, whose hash tags fall on the three
@@ -71,32 +73,32 @@ def main() -> int:
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)
-    figures: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    figures: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     for round_ in range(args.rounds):
         for shape, queues in SHAPES.items():
             for backend, label in TOPOLOGIES.items():
-                rate, load = drain(backend, queues, args.n, env, workdir, args.timeout)
-                figures.setdefault((shape, backend), []).append((rate, load))
-                print(f"round {round_ + 1}: {shape}, {label}: {rate:.0f} jobs/s, load {load:.2f}", file=sys.stderr)
-    labels = " | ".join(f"{label}: jobs/s (busiest server's load)" for label in TOPOLOGIES.values())
+                rate, load, per_job = drain(backend, queues, args.n, env, workdir, args.timeout)
+                figures.setdefault((shape, backend), []).append((rate, load, per_job))
+                print(
+                    f"round {round_ + 1}: {shape}, {label}: {rate:.0f} jobs/s, load {load:.2f}, "
+                    f"workers {per_job * 1e6:.0f} µs CPU a job",
+                    file=sys.stderr,
+                )
+    labels = " | ".join(f"{label}: jobs/s (busiest server's load; worker CPU a job)" for label in TOPOLOGIES.values())
     print(f"| cell (N={args.n}, {args.rounds} round(s)) | {labels} | cluster / single |")
     print("|---|" + "---:|" * (len(TOPOLOGIES) + 1))
     for shape, queues in SHAPES.items():
-        (single, single_load), (cluster, cluster_load) = (
-            tuple(statistics.median(f[i] for f in figures[(shape, b)]) for i in (0, 1)) for b in TOPOLOGIES
-        )
-        print(
-            f"| {shape}, {len(queues)} worker(s) | {single:.0f} ({single_load:.2f}) | {cluster:.0f} "
-            f"({cluster_load:.2f}) | {cluster / single:.2f} |"
-        )
+        cells = [tuple(statistics.median(f[i] for f in figures[(shape, b)]) for i in (0, 1, 2)) for b in TOPOLOGIES]
+        shown = " | ".join(f"{rate:.0f} ({load:.2f}; {per_job * 1e6:.0f} µs)" for rate, load, per_job in cells)
+        print(f"| {shape}, {len(queues)} worker(s) | {shown} | {cells[1][0] / cells[0][0]:.2f} |")
     return 0
 
 
 def drain(
     name: str, queues: list[str], n: int, env: dict[str, str], workdir: Path, timeout: float
-) -> tuple[float, float]:
-    """Drain jobs/s of ``n`` jobs over ``queues``, one worker each, on backend ``name``, and the
-    busiest server's CPU seconds per second of the drain."""
+) -> tuple[float, float, float]:
+    """Drain jobs/s of ``n`` jobs over ``queues``, one worker each, on backend ``name``; the
+    busiest server's CPU seconds per second of the drain; the workers' CPU seconds per job."""
     from benchjobs import noop_job
 
     from django_jobs.backends import get_backend
@@ -118,21 +120,44 @@ def drain(
         )
         log.close()
     try:
-        deadline, first, cpu = time.monotonic() + timeout, None, cpu_seconds(backend)
+        deadline, first, cpu, spent = time.monotonic() + timeout, None, cpu_seconds(backend), 0.0
         while (left := backlog(backend, queues)) > 0:
-            if first is None and left < n:
-                first, cpu = (time.monotonic(), left), cpu_seconds(backend)
+            if first is None and all(children(worker.pid) for worker in workers):
+                first, cpu, spent = (time.monotonic(), left), cpu_seconds(backend), process_cpu(workers)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name}: {left} jobs left after {timeout} s (logs in {workdir})")
             time.sleep(0.05)
         end, busy = time.monotonic(), [after - before for before, after in zip(cpu, cpu_seconds(backend), strict=True)]
+        spent = process_cpu(workers) - spent
     finally:
         for worker in workers:
             worker.terminate()
         for worker in workers:
             worker.wait(30)
     assert first is not None
-    return first[1] / (end - first[0]), max(busy) / (end - first[0])
+    return first[1] / (end - first[0]), max(busy) / (end - first[0]), spent / first[1]
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def process_cpu(workers: list[subprocess.Popen[bytes]]) -> float:
+    """CPU seconds (user + sys) the worker processes and their descendants use now."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    pending, total = [w.pid for w in workers], 0.0
+    while pending:
+        pid = pending.pop()
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(stat[11]) + int(stat[12])) / ticks  # utime, stime
+        pending += children(pid)
+    return total
 
 
 def cpu_seconds(backend: object) -> list[float]:
