@@ -80,3 +80,27 @@ def test_a_worker_waiting_on_queues_in_several_slots_wakes_for_any_of_them(backe
     thread.join(30)
     waiter.close()
     assert woke == [True], "the waiter slept through work on one of its queues"
+
+
+def test_purging_a_queues_failed_set_is_one_slots_transaction(backend):
+    """``purge_failed`` deletes with MULTI: one queue's keys, one slot, one primary."""
+    job_id = send(backend, "other")
+    lease = backend.fetch("other")
+    assert lease is not None and lease.token == job_id
+    backend.abandon(lease, "boom")
+    keys = backend.keys("other")
+    assert backend.client.zscore(keys.failed, job_id) is not None
+    assert backend.purge_failed("other") == 1
+    assert not backend.client.exists(keys.failed, keys.errors, keys.bodies)
+
+
+def test_run_jobs_brings_delayed_jobs_of_several_slots_forward(backend):
+    """``run_jobs(include_delayed=True)`` shifts the delayed jobs of every queue at once."""
+    from django_jobs.testing import run_jobs
+
+    for hours, queue in enumerate(QUEUES, start=1):
+        env = scripted.using(backend="redis", queue=queue, delay=hours * 3600).builder(action="ok").build()
+        backend.enqueue(env)
+    results = run_jobs(QUEUES, backend=backend, include_delayed=True)
+    assert [r.status for r in results] == ["acked"] * 3
+    assert [r.queue for r in results] == QUEUES  # in the order they fell due
