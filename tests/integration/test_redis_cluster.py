@@ -104,3 +104,19 @@ def test_run_jobs_brings_delayed_jobs_of_several_slots_forward(backend):
     results = run_jobs(QUEUES, backend=backend, include_delayed=True)
     assert [r.status for r in results] == ["acked"] * 3
     assert [r.queue for r in results] == QUEUES  # in the order they fell due
+
+
+def test_a_cluster_needs_a_url_or_startup_nodes():
+    from django.core.exceptions import ImproperlyConfigured
+
+    with pytest.raises(ImproperlyConfigured, match="STARTUP_NODES"):
+        redis_connection.connect("jobs", {"CLUSTER": True})
+
+
+def test_a_cluster_none_of_whose_startup_nodes_answers_is_an_outage():
+    """A worker waits out an outage (``unavailable_errors``); a cluster it cannot reach is one."""
+    from tests.servers import free_port
+
+    backend = RedisBackend("jobs", {"CLUSTER": True, "STARTUP_NODES": [("127.0.0.1", free_port())]})
+    with pytest.raises(backend.unavailable_errors):
+        backend.client  # noqa: B018
