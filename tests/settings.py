@@ -113,7 +113,8 @@ REDIS_PREFIX = os.environ.setdefault("JOBS_TEST_REDIS_PREFIX", f"djt{os.getpid()
 # backend "redis_cluster" is added where a test uses it (override_settings), and to a worker
 # subprocess's settings by JOBS_TEST_REDIS_CLUSTER=1, so commands that visit every backend do
 # not reach it otherwise.
-REDIS_CLUSTER_URL = os.environ.get("JOBS_TEST_REDIS_CLUSTER_URL", "redis://127.0.0.1:7000/0")
+_cluster_port = os.environ.get("JOBS_TEST_REDIS_CLUSTER_PORT", "7000")  # as scripts/services reads it
+REDIS_CLUSTER_URL = os.environ.get("JOBS_TEST_REDIS_CLUSTER_URL", f"redis://127.0.0.1:{_cluster_port}/0")
 REDIS_CLUSTER = {"ENGINE": "redis", "OPTIONS": {"CLUSTER": True, "URL": REDIS_CLUSTER_URL, "PREFIX": REDIS_PREFIX}}
 # beanstalkd (scripts/services starts it; the beanstalk_up fixture too): tubes named per session.
 BEANSTALK_HOST, _, BEANSTALK_PORT = os.environ.get("JOBS_TEST_BEANSTALK", "127.0.0.1:11300").partition(":")
