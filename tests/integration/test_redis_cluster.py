@@ -120,3 +120,13 @@ def test_a_cluster_none_of_whose_startup_nodes_answers_is_an_outage():
     backend = RedisBackend("jobs", {"CLUSTER": True, "STARTUP_NODES": [("127.0.0.1", free_port())]})
     with pytest.raises(backend.unavailable_errors):
         backend.client  # noqa: B018
+
+
+def test_the_persistence_warning_names_every_primary_that_keeps_nothing(backend):
+    """The test cluster keeps nothing on disk (scripts/services.d/redis-cluster.sh): each of its
+    primaries is named."""
+    cluster_only(backend)
+    warning = backend.persistence_warning()
+    assert warning is not None
+    for server in redis_connection.servers(backend.client):
+        assert redis_connection.address(server) in warning
