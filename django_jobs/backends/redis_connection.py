@@ -64,6 +64,7 @@ def _cluster_client(name: str, options: Mapping[str, Any], kwargs: dict[str, Any
 
 
 def is_cluster(client: Any) -> bool:
+    """Whether ``client`` talks to a Redis Cluster (``OPTIONS["CLUSTER"]``)."""
     return isinstance(client, redis.RedisCluster)
 
 
