@@ -2,10 +2,11 @@
 """The chaos battery (issue 5): crash recovery, poison jobs, a tamper flood, graceful shutdown,
 a soak, database restarts, chains and groups under worker kills (``flows``; skipped on a
 backend without dependencies), and workers frozen past their lease mid-run with batches on
-(``stall``), against real ``jobs_work`` processes on one backend. Prints JSON on stdout.
+(``stall``), and the Redis primary failed over under running workers (``failover``, on
+``--backend sentinel``), against real ``jobs_work`` processes on one backend. Prints JSON on stdout.
 
-    python bench/chaos_battery.py --backend postgres|redis|beanstalk \\
-        --scenario crash|poison|tamper|shutdown|soak|dbrestart|flows|stall|all[,...] [--jobs N] [--seconds S] [--short]
+    python bench/chaos_battery.py --backend postgres|redis|redis-cluster|sentinel|beanstalk \\
+        --scenario crash|poison|tamper|shutdown|soak|dbrestart|flows|stall|failover|all[,...] [--jobs N] [--seconds S] [--short]
 
 What it sets up (and tears down):
 - a PRIVATE PostgreSQL server (initdb into a temp dir, ``postgres`` on a free loopback port, as
@@ -15,7 +16,12 @@ What it sets up (and tears down):
   uses the server of ``--pg-host/--pg-port/--pg-user`` instead (a fresh database, dropped at the
   end) and never restarts it;
 - redis: a PRIVATE ``redis-server --appendonly yes --appendfsync everysec`` on a free loopback
-  port, in a temp dir; beanstalk: a PRIVATE ``beanstalkd -b <tmpdir>`` on a free port;
+  port, in a temp dir; redis-cluster: a PRIVATE Redis Cluster of three primaries with a replica
+  each (bench/chaos/servers.py ``PrivateRedisCluster``; a crash restart kills the primary of the
+  ``default`` queue and its replica takes over); sentinel: a PRIVATE Sentinel group (a primary,
+  a replica, three sentinels: bench/chaos/servers.py ``PrivateSentinelGroup``) that the
+  ``failover`` scenario fails over;
+  beanstalk: a PRIVATE ``beanstalkd -b <tmpdir>`` on a free port;
 - worker processes: ``python -m django jobs_work default other --backend chaos`` with
   DJANGO_SETTINGS_MODULE=bench.chaos.settings, each in its own process group.
 
@@ -47,16 +53,18 @@ REPO = HERE.parent
 # Run as a script: import bench.chaos.* and django_jobs from the repository root.
 sys.path.insert(0, str(REPO))
 
-ORDER = ("crash", "poison", "tamper", "shutdown", "soak", "dbrestart", "flows", "stall")
+ORDER = ("crash", "poison", "tamper", "shutdown", "soak", "dbrestart", "flows", "stall", "failover")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", required=True, choices=("postgres", "redis", "redis-cluster", "beanstalk"))
+    parser.add_argument(
+        "--backend", required=True, choices=("postgres", "redis", "redis-cluster", "sentinel", "beanstalk")
+    )
     parser.add_argument(
         "--scenario",
         default="all",
-        help="crash, poison, tamper, shutdown, soak, dbrestart, flows, stall, all, or a comma-separated list",
+        help="crash, poison, tamper, shutdown, soak, dbrestart, flows, stall, failover, all, or a comma-separated list",
     )
     parser.add_argument(
         "--jobs",
@@ -81,6 +89,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--pg-external",
         action="store_true",
         help="use the PostgreSQL server of --pg-host/--pg-port/--pg-user, never restarted, instead of a private one",
+    )
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        default=0,
+        help="sentinel: the servers' min-replicas-to-write (default 0: a primary never refuses a write)",
     )
     parser.add_argument("--outage", type=float, default=1.0, help="seconds a restarted server stays down (default 1)")
     parser.add_argument(
@@ -116,10 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         return _run_from_snapshot(args.code, list(sys.argv[1:] if argv is None else argv))
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
     workdir = Path(tempfile.mkdtemp(prefix=f"chaos-{args.backend}-"))
-    from bench.chaos.servers import Postgres, PrivateBeanstalkd, PrivatePostgres, PrivateRedis, PrivateRedisCluster
+    from bench.chaos.servers import (
+        Postgres,
+        PrivateBeanstalkd,
+        PrivatePostgres,
+        PrivateRedis,
+        PrivateRedisCluster,
+        PrivateSentinelGroup,
+    )
 
-    # redis-cluster: the redis engine on a private cluster (its crash restarts are failovers).
-    kind = "redis" if args.backend == "redis-cluster" else args.backend
+    # redis-cluster and sentinel: the redis engine on a private cluster (its crash restarts are
+    # failovers) or behind a private Sentinel group.
+    kind = "redis" if args.backend in ("redis-cluster", "sentinel") else args.backend
 
     database: PrivatePostgres | None = None
     if args.pg_external:
@@ -158,11 +180,15 @@ def main(argv: list[str] | None = None) -> int:
             report["postgres_server"] = f"private (initdb in {database.directory}, port {database.port})"
         else:
             report["postgres_server"] = f"external {pg.host}:{pg.port} (never restarted)"
-        if args.backend == "redis":
-            server = PrivateRedis(workdir)
+        if args.backend in ("redis", "sentinel"):
+            server = (
+                PrivateRedis(workdir) if args.backend == "redis" else PrivateSentinelGroup(workdir, args.min_replicas)
+            )
             server.start()
             env["CHAOS_REDIS_URL"] = server.url
             report["redis_version"] = _version(["redis-server", "--version"])
+            if args.backend == "sentinel":
+                report["min_replicas_to_write"] = args.min_replicas
         elif args.backend == "redis-cluster":
             server = PrivateRedisCluster(workdir / "cluster")
             server.start()

@@ -233,11 +233,14 @@ def _backends_and_engines(bad: set[str]) -> list[checks.CheckMessage]:
                 errors.append(_error(f"BACKENDS[{name!r}] has unknown key {key!r}", "E009", hint=hint))
         engine = config.get("ENGINE", "database")
         try:
-            engine_class(engine)
+            problem = engine_class(engine).options_problem(config.get("OPTIONS") or {})
         except ImproperlyConfigured as exc:
             errors.append(_error(f"backend {name!r}: {exc}", "E002", hint=did_you_mean(engine, ENGINES)))
         except ImportError as exc:
             errors.append(_error(f"backend {name!r}: cannot import its ENGINE: {exc}", "E002"))
+        else:
+            if problem:
+                errors.append(_error(f"backend {name!r} {problem}", "E016"))
     return errors
 
 

@@ -108,6 +108,14 @@ BACKEND_PARAMS = [
         id="redis-cluster",
         marks=[DB],
     ),
+    # The same backend through the Sentinel group of scripts/services.d/redis-sentinel.sh.
+    pytest.param(
+        BackendCase(
+            "redis_sentinel", fixtures=("sentinel_up",), expire=_redis_expire, config=settings.SENTINEL_BACKEND
+        ),
+        id="redis-sentinel",
+        marks=[DB],
+    ),
     pytest.param(BackendCase("beanstalk", fixtures=("beanstalk_up",)), id="beanstalk", marks=[DB]),
     # Azure Service Bus, on the in-memory namespace of tests/fake_servicebus.py (real backend, fake SDK
     # clients); the live case runs the same tests against a real namespace when one is configured.

@@ -6,7 +6,10 @@ Fixtures that several test modules share live here, or in the plugin modules of
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import settings as hypothesis_settings
@@ -93,11 +96,15 @@ def redis_up():
 
     require_service("Redis", *redis_reachable())
     client = redis.Redis.from_url(settings.REDIS_URL)
-    stale = list(client.scan_iter(match=f"{settings.REDIS_PREFIX}:*", count=1000))
-    if stale:
-        client.delete(*stale)
+    _delete_prefixed(client, settings.REDIS_PREFIX)
     yield client
     client.close()
+
+
+def _delete_prefixed(client: Any, prefix: str) -> None:
+    stale = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    if stale:
+        client.delete(*stale)
 
 
 def redis_cluster_reachable() -> tuple[bool, str]:
@@ -121,8 +128,7 @@ def redis_cluster_up():
 
     require_service("Redis Cluster", *redis_cluster_reachable())
     client = redis.RedisCluster.from_url(settings.REDIS_CLUSTER_URL)
-    for key in client.scan_iter(match=f"{settings.REDIS_PREFIX}:*", count=1000):
-        client.delete(key)
+    _delete_prefixed(client, settings.REDIS_PREFIX)
     yield client
     client.close()
 
@@ -136,9 +142,7 @@ def redis_backend(redis_up):
     instance = get_backend("redis")
     assert isinstance(instance, RedisBackend)
     yield instance
-    left = list(redis_up.scan_iter(match=f"{instance.prefix}:*", count=1000))
-    if left:
-        redis_up.delete(*left)
+    _delete_prefixed(redis_up, instance.prefix)
 
 
 @pytest.fixture
@@ -146,12 +150,22 @@ def redis_cluster_in_settings(redis_cluster_up, monkeypatch):
     """The backend ``redis_cluster`` in ``JOBS["BACKENDS"]``, here and in worker subprocesses
     (tests/settings.py adds it when ``JOBS_TEST_REDIS_CLUSTER`` is set)."""
     from django.conf import settings
+
+    with _backend_in_settings(monkeypatch, "JOBS_TEST_REDIS_CLUSTER", "redis_cluster", settings.REDIS_CLUSTER):
+        yield redis_cluster_up
+
+
+@contextlib.contextmanager
+def _backend_in_settings(monkeypatch: Any, variable: str, name: str, config: dict[str, Any]) -> Iterator[None]:
+    """Backend ``name`` in ``JOBS["BACKENDS"]``, here and in the worker subprocesses the test
+    starts (tests/settings.py adds it when ``variable`` is set in the environment they copy)."""
+    from django.conf import settings
     from django.test import override_settings
 
-    monkeypatch.setenv("JOBS_TEST_REDIS_CLUSTER", "1")
-    backends = {**settings.JOBS["BACKENDS"], "redis_cluster": settings.REDIS_CLUSTER}
+    monkeypatch.setenv(variable, "1")
+    backends = {**settings.JOBS["BACKENDS"], name: config}
     with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends}):
-        yield redis_cluster_up
+        yield
 
 
 @pytest.fixture(params=[pytest.param(False, id="single"), pytest.param(True, id="cluster")])
@@ -172,8 +186,43 @@ def redis_topology_backend(request):
         instance = get_backend("redis")
         yield instance
         instance.close()
-    for key in client.scan_iter(match=f"{settings.REDIS_PREFIX}:*", count=1000):
-        client.delete(key)
+    _delete_prefixed(client, settings.REDIS_PREFIX)
+
+
+def _sentinel_client() -> Any:
+    from django.conf import settings
+
+    from django_jobs.backends import redis_connection
+
+    return redis_connection.connect("sentinel", settings.SENTINEL_BACKEND["OPTIONS"], probe=True)
+
+
+@pytest.fixture
+def sentinel_up():
+    """The Sentinel group of scripts/services.d/redis-sentinel.sh names a primary that answers;
+    this session's keys on it are gone before and after the test. Its client."""
+    from django.conf import settings
+
+    client = _sentinel_client()
+    try:
+        client.ping()
+    except Exception as exc:  # noqa: BLE001
+        client.close()
+        require_service("Redis Sentinel", False, f"{settings.SENTINEL_URL}: {exc}")
+    _delete_prefixed(client, settings.REDIS_PREFIX)
+    yield client
+    _delete_prefixed(client, settings.REDIS_PREFIX)
+    client.close()
+
+
+@pytest.fixture
+def sentinel_backend(sentinel_up, monkeypatch):
+    """The ``redis_sentinel`` backend in JOBS["BACKENDS"], here and in the worker subprocesses
+    the test starts (``JOBS_TEST_SENTINEL=1`` in the environment they copy)."""
+    from django.conf import settings
+
+    with _backend_in_settings(monkeypatch, "JOBS_TEST_SENTINEL", "redis_sentinel", settings.SENTINEL_BACKEND):
+        yield
 
 
 def _beanstalk_reachable(host: str, port: int) -> bool:
@@ -289,6 +338,23 @@ def private_redis():
         yield RedisForTests(server)
     finally:
         server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def private_sentinel():
+    """A Sentinel group of this module's own (see tests/servers.py), started: tests that fail
+    its primary over never touch the shared group of scripts/services.d/redis-sentinel.sh."""
+    import shutil
+
+    from tests.servers import PrivateSentinelGroup
+
+    require_service("redis-server", shutil.which("redis-server") is not None, "redis-server is not on PATH")
+    group = PrivateSentinelGroup()
+    try:
+        group.start()
+        yield group
+    finally:
+        group.cleanup()
 
 
 @pytest.fixture

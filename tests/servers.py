@@ -10,6 +10,8 @@ and ``private_redis`` fixtures of tests/conftest.py.
   ``terminate_backends``, ``ready``, ``create_database``, ``connect``, ``host``/``port``/``url``.
 - ``PrivateRedis``: redis-server with an AOF; ``restart`` is SIGKILL + a start replaying it.
 - ``PrivateBeanstalkd``: beanstalkd with a binlog; ``restart`` likewise.
+- ``PrivateSentinelGroup``: a primary, a replica and three sentinels; ``url`` (redis+sentinel://),
+  ``failover`` (SENTINEL FAILOVER), ``kill_primary`` (SIGKILL, promotion, restart as a replica).
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ import subprocess
 import sys
 from typing import Any
 
-from bench.chaos.servers import PrivateBeanstalkd, PrivatePostgres, PrivateRedis, free_port, postgres_bindir
+from bench.chaos.servers import (
+    PrivateBeanstalkd,
+    PrivatePostgres,
+    PrivateRedis,
+    PrivateSentinelGroup,
+    free_port,
+    postgres_bindir,
+)
 from tests.procs import REPO_ROOT, worker_env
 
 __all__ = [
@@ -26,6 +35,7 @@ __all__ = [
     "PrivateBeanstalkd",
     "PrivatePostgres",
     "PrivateRedis",
+    "PrivateSentinelGroup",
     "RedisForTests",
     "free_port",
     "postgres_bindir",

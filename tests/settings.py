@@ -149,6 +149,15 @@ JOBS = {
     # A function handler that takes its context (tests of aborting a running job).
     "HANDLERS": {"abortable": "tests.testapp.jobs.abortable"},
 }
+# Redis through Sentinel (scripts/services.d/redis-sentinel.sh starts the group). Kept out of
+# BACKENDS, where commands that visit every backend would reach it, except in the processes of a
+# test that points them at it (JOBS_TEST_SENTINEL=1: the sentinel_backend fixture of conftest.py).
+SENTINEL_URL = os.environ.get(
+    "JOBS_TEST_SENTINEL_URL", "redis+sentinel://127.0.0.1:26390,127.0.0.1:26391,127.0.0.1:26392/mymaster/9"
+)
+SENTINEL_BACKEND = {"ENGINE": "redis", "OPTIONS": {"URL": SENTINEL_URL, "PREFIX": REDIS_PREFIX}}
+if os.environ.get("JOBS_TEST_SENTINEL"):
+    JOBS["BACKENDS"]["redis_sentinel"] = SENTINEL_BACKEND
 # django.tasks on django-jobs: one TASKS alias per JOBS backend the task tests run on
 # (tests/testapp/tasks.py defines the tasks; worker subprocesses find them by autodiscovery).
 TASKS = {

@@ -1,4 +1,4 @@
-"""The eight scenarios of the chaos battery. Each returns a JSON-able dict of figures.
+"""The nine scenarios of the chaos battery. Each returns a JSON-able dict of figures.
 
 Times are ``time.time()`` (the workers stamp their runs with the same clock); figures given
 relative to a run's start are in seconds.
@@ -697,7 +697,7 @@ return 1
 
 def _write_redis(ctx: Context, good: list[Envelope], bad: list[tuple[str, str, Any]]) -> None:
     backend = ctx.probe.backend
-    client = ctx.server.client()
+    client = ctx.probe.redis()
     push = client.script_load(RAW_PUSH)  # on every primary of a cluster
     keys = {q: backend.keys(q) for q in QUEUES}
     for start in range(0, len(good), 50):
@@ -944,6 +944,7 @@ def _soak_sample(ctx: Context, fleet: Fleet, t: float) -> dict[str, Any]:
 
 
 from .dbrestart import dbrestart  # they use the helpers above: imported last
+from .failover import failover
 from .flows import flows
 from .stalls import stall
 
@@ -956,4 +957,5 @@ SCENARIOS = {
     "dbrestart": dbrestart,
     "flows": flows,
     "stall": stall,
+    "failover": failover,
 }

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -379,14 +380,15 @@ class PrivateRedis:
     replays the AOF (the kernel keeps what Redis wrote, so only a host crash could lose the
     last second)."""
 
-    def __init__(self, directory: Path | None = None, extra: tuple[str, ...] = ()) -> None:
-        self.port = free_cluster_port() if "--cluster-enabled" in extra else free_port()
+    def __init__(self, directory: Path | None = None, args: Sequence[str] = ()) -> None:
+        """``args``: more redis-server options (``--replicaof host port``, a cluster node's)."""
+        self.port = free_cluster_port() if "--cluster-enabled" in args else free_port()
         self.host = "127.0.0.1"
+        self.args = list(args)
         self._own_directory = directory is None
         self.directory = Path(tempfile.mkdtemp(prefix="redisprivate-")) if directory is None else directory
         self.directory.mkdir(parents=True, exist_ok=True)
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.extra = extra  # more redis-server arguments (a cluster node's)
         self.popen: subprocess.Popen[bytes] | None = None
         self.starts = 0
         _at_exit(self.kill)  # never outlive this process, even without a cleanup()
@@ -414,7 +416,7 @@ class PrivateRedis:
                 str(self.directory),
                 "--daemonize",
                 "no",
-                *self.extra,
+                *self.args,
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -448,11 +450,6 @@ class PrivateRedis:
         time.sleep(outage)
         self.start()
         return down, time.time()
-
-    def client(self) -> Any:
-        import redis
-
-        return redis.Redis.from_url(self.url, socket_connect_timeout=2)
 
     def cleanup(self) -> None:
         """Kill this server (only the process this object started); remove the temp dir if
@@ -565,6 +562,174 @@ class PrivateRedisCluster:
     def cleanup(self) -> None:
         """Kill its nodes (only the processes this object started); remove the temp dir if this
         object created it. Idempotent."""
+        self.kill()
+        if self._own_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# A replica's full sync starts at once (Redis waits 5 s for more replicas to share it by default).
+FAST_SYNC = ["--repl-diskless-sync-delay", "0"]
+
+
+class PrivateSentinelGroup:
+    """A Redis Sentinel group of its own: a primary and a replica (``PrivateRedis``, AOF on) and
+    three sentinels (quorum 2) monitoring them as :attr:`SERVICE`, on free loopback ports, in a
+    temp dir. ``failover`` is ``SENTINEL FAILOVER``; ``kill_primary`` a SIGKILL of the primary,
+    the sentinels' promotion of the replica, and a start of the killed server, which they turn
+    into the new primary's replica. Either waits until every sentinel names the new primary."""
+
+    SERVICE = "mymaster"
+
+    def __init__(self, directory: Path | None = None, min_replicas: int = 0) -> None:
+        """``min_replicas``: the servers' ``min-replicas-to-write`` (a primary refuses writes
+        while fewer replicas are in sync with it, lagging at most 10 s)."""
+        self._own_directory = directory is None
+        self.directory = Path(tempfile.mkdtemp(prefix="sentinelprivate-")) if directory is None else directory
+        args = [*FAST_SYNC, "--min-replicas-to-write", str(min_replicas), "--min-replicas-max-lag", "10"]
+        first = PrivateRedis(self._subdirectory("a"), args)
+        second = PrivateRedis(self._subdirectory("b"), [*args, "--replicaof", "127.0.0.1", str(first.port)])
+        self.servers = {first.port: first, second.port: second}
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        self.url = f"redis+sentinel://{hosts}/{self.SERVICE}/0"
+        self.failovers = 0
+        _at_exit(self.kill)
+
+    def _subdirectory(self, name: str) -> Path:
+        path = self.directory / f"sentinel-group-{name}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def start(self) -> None:
+        for server in self.servers.values():
+            server.start()
+        primary = next(iter(self.servers))
+        for port in self.sentinel_ports:
+            (self.directory / f"sentinel-{port}.conf").write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {self.directory}\n"
+                f"sentinel monitor {self.SERVICE} 127.0.0.1 {primary} 2\n"
+                f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
+                f"sentinel failover-timeout {self.SERVICE} 3000\n"
+            )
+        self.start_sentinels()
+        wait_for(lambda: self._settled(primary), 60, "the private sentinels to see each other and the replica")
+
+    def start_sentinels(self) -> None:
+        """Start the sentinels from their config files (which they rewrite with what they know)."""
+        binary = shutil.which("redis-server")
+        if not binary:
+            raise RuntimeError("redis-server is not on PATH")
+        for port in self.sentinel_ports:
+            log = open(self.directory / f"sentinel-{port}.log", "ab")  # noqa: SIM115 (the child keeps it)
+            self.sentinels.append(
+                subprocess.Popen(
+                    [binary, str(self.directory / f"sentinel-{port}.conf"), "--sentinel"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            log.close()
+        wait_for(lambda: self._named(self.primary()), 60, "the private sentinels to name the primary")
+
+    def stop_sentinels(self) -> None:
+        """SIGKILL every sentinel (the servers go on)."""
+        for sentinel in self.sentinels:
+            if sentinel.poll() is None:
+                os.kill(sentinel.pid, signal.SIGKILL)
+                sentinel.wait(10)
+        self.sentinels = []
+
+    def settle(self, timeout: float = 60) -> None:
+        """Wait until the group could fail over again (the demoted primary is a synced replica)."""
+        primary = self.primary()
+        wait_for(lambda: self._settled(primary), timeout, f"the group around port {primary} to settle")
+
+    def _ask(self, port: int, *command: Any) -> Any:
+        import redis
+
+        with redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, decode_responses=True) as client:
+            return client.execute_command(*command)
+
+    def primary(self) -> int:
+        """The port of the primary the first sentinel names."""
+        return int(self._ask(self.sentinel_ports[0], "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)[1])
+
+    def _named(self, primary: int) -> bool:
+        """Every sentinel names ``primary``, up, as the service's primary."""
+        import redis
+
+        try:
+            for port in self.sentinel_ports:
+                fields = self._ask(port, "SENTINEL", "MASTER", self.SERVICE)  # a dict of strings
+                if int(fields["port"]) != primary or fields["flags"] != "master":
+                    return False
+        except (redis.exceptions.RedisError, OSError, KeyError, ValueError):
+            return False
+        return True
+
+    def _settled(self, primary: int) -> bool:
+        """``primary`` is named, serves with its replica in sync, and every sentinel knows the
+        two others and the replica: a failover has its quorum and a replica to promote."""
+        import redis
+
+        if not self._named(primary):
+            return False
+        try:
+            for port in self.sentinel_ports:
+                fields = self._ask(port, "SENTINEL", "MASTER", self.SERVICE)
+                if int(fields["num-other-sentinels"]) != 2 or int(fields["num-slaves"]) < 1:
+                    return False
+                replicas = self._ask(port, "SENTINEL", "REPLICAS", self.SERVICE)  # the sentinel's view
+                if not any(r["flags"] == "slave" and r.get("master-link-status") == "ok" for r in replicas):
+                    return False
+            info = self._ask(primary, "INFO", "replication")  # a dict
+            return bool(info["role"] == "master" and info.get("slave0", {}).get("state") == "online")
+        except (redis.exceptions.RedisError, OSError, KeyError, ValueError):
+            return False
+
+    def _switch(self, act: Any, timeout: float) -> tuple[int, float, float]:
+        """Wait for a settled group (a demoted primary takes up to 10 s to rejoin as a replica:
+        the sentinels' INFO period), ``act(old port)``, then wait until the sentinels name the
+        other server. Its port, and when the act began and the sentinels named it (time.time())."""
+        old = self.primary()
+        wait_for(lambda: self._settled(old), timeout, f"the group around port {old} to settle")
+        acted = time.time()
+        act(old)
+        new = next(port for port in self.servers if port != old)
+        wait_for(lambda: self._named(new), timeout, f"the sentinels to promote port {new}")
+        self.failovers += 1
+        return new, acted, time.time()
+
+    def failover(self, timeout: float = 60) -> tuple[int, float, float]:
+        """``SENTINEL FAILOVER``: as ``_switch``."""
+        return self._switch(
+            lambda old: self._ask(self.sentinel_ports[0], "SENTINEL", "FAILOVER", self.SERVICE), timeout
+        )
+
+    def kill_primary(self, timeout: float = 60) -> tuple[int, float, float]:
+        """SIGKILL the primary; once the sentinels promoted the replica, start the killed server
+        again (the sentinels make it a replica of the new primary). As ``_switch``."""
+        killed: list[int] = []
+
+        def kill(old: int) -> None:
+            self.servers[old].kill()
+            killed.append(old)
+
+        switched = self._switch(kill, timeout)
+        self.servers[killed[0]].start()
+        return switched
+
+    def kill(self) -> None:
+        self.stop_sentinels()
+        for server in self.servers.values():
+            server.kill()
+
+    def cleanup(self) -> None:
+        """Kill the group's processes (only those this object started); remove the temp dir if
+        this object created it."""
         self.kill()
         if self._own_directory:
             shutil.rmtree(self.directory, ignore_errors=True)

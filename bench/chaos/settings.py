@@ -4,7 +4,8 @@ which the driver sets for itself and passes to every ``jobs_work`` subprocess:
 CHAOS_BACKEND        postgres | redis | beanstalk: the engine of the one JOBS backend, ``chaos``
 CHAOS_PG_NAME        the dedicated PostgreSQL database (created and dropped by the driver)
 CHAOS_PG_HOST/PORT/USER/PASSWORD   its server (default 127.0.0.1:5432, user postgres)
-CHAOS_REDIS_URL      the PRIVATE redis-server the driver started (redis backend)
+CHAOS_REDIS_URL      the PRIVATE redis-server the driver started (redis backend), or the
+                     redis+sentinel:// URL of its PRIVATE Sentinel group (sentinel backend)
 CHAOS_REDIS_CLUSTER_NODES  host:port,... of the PRIVATE Redis Cluster's nodes (redis backend, instead)
 CHAOS_BEANSTALK      host:port of the PRIVATE beanstalkd the driver started (beanstalk backend)
 CHAOS_PREFIX         key / tube prefix
@@ -44,7 +45,7 @@ DATABASES = {
 PREFIX = os.environ.get("CHAOS_PREFIX", "chaos")
 if BACKEND == "postgres":
     ENGINE = {"ENGINE": "database", "OPTIONS": {"DATABASE": "default"}}
-elif BACKEND == "redis":
+elif BACKEND == "redis":  # CHAOS_REDIS_URL may be a redis+sentinel:// URL
     ENGINE = {
         "ENGINE": "redis",
         "OPTIONS": {"URL": os.environ.get("CHAOS_REDIS_URL", "redis://127.0.0.1:6379/0"), "PREFIX": PREFIX},

@@ -167,6 +167,12 @@ class QueueBackend(ABC):
         self.name = name
         self.options = options
 
+    @classmethod
+    def options_problem(cls, options: dict[str, Any]) -> str | None:
+        """What is wrong with ``OPTIONS`` (``"needs ..."``), found without connecting, or ``None``:
+        ``manage.py check`` reports it before a worker starts."""
+        return None
+
     def where(self) -> str:
         """The backend and its server, for messages (``backend 'default' (redis at host:6379)``);
         never connects."""

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import secrets
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -28,7 +29,8 @@ from ..envelope import Envelope
 from ..exceptions import AbortRequested, InvalidPayload, JobAborted, LeaseLost, WorkerLost
 from ..models import ClaimedAhead, Job, JobStatus, envelope_columns, envelope_of
 from ..retry import after_lost_run
-from .base import NO_RESULT, Lease, LimitedBackend
+from . import db_settle
+from .base import NO_RESULT, Lease, LimitedBackend, Requeue, Requeued
 from .db_limits import DatabaseLimits
 
 TABLE = Job._meta.db_table
@@ -40,30 +42,11 @@ logger = logging.getLogger("django_jobs.backends.database")
 _RESULT = Job._meta.get_field("result")
 
 
-def _each_fenced_pg(assignments: str) -> str:
-    """PostgreSQL: an UPDATE of the rows listed by two array parameters, ids and owner tokens,
-    each row fenced on its own pair; parameters: those of ``assignments``, then the two arrays.
-
-    The rows are found by primary key whatever the table's size and statistics: the ids reach
-    the planner as ``ARRAY(SELECT …)``, whose length it cannot see, so it looks them up in the
-    index (given the array itself, or joined to it, it scans a table of a few thousand rows)."""
-    return (
-        f"UPDATE {TABLE} SET {assignments} FROM (SELECT %s::text[] AS ids, %s::text[] AS owners) AS fence "
-        f"WHERE {TABLE}.id = ANY(ARRAY(SELECT unnest(fence.ids))) "
-        f"AND {TABLE}.owner_token = fence.owners[array_position(fence.ids, {TABLE}.id::text)]"
-    )
-
-
-# Runs claimed ahead that have started: their loss counts as a run from now on. Parameters:
-# ids, owner tokens.
-BEGIN_MANY_PG = _each_fenced_pg("claimed_ahead = 0")
 # Every settle: the row is no longer leased, nor claimed ahead.
 RELEASED = "owner_token = NULL, leased_until = NULL, claimed_ahead = 0"
 # The fence of every fast ack: a row some job waits for is acked on the transactional path,
 # which resolves its edges in the same transaction (see ``_finish``).
 NO_DEPENDENTS = "NOT has_dependents"
-# A batch's acks (one run each). Parameters: finished_at, updated_at.
-ACKED = f"status = 'completed', attempts = attempts + 1, finished_at = %s, {RELEASED}, updated_at = %s"
 # A new row's defaults (the model's own), by attribute name.
 _DEFAULTS = {field.attname: field.get_default() for field in Job._meta.concrete_fields}
 RETURNED = (
@@ -120,10 +103,6 @@ def _row_fields(row: tuple[Any, ...], queue: str, limit: int) -> dict[str, Any]:
     return data
 
 
-def _lost(leases: list[Lease], acked: set[str]) -> list[Lease]:
-    return [lease for lease in leases if lease.token not in acked]
-
-
 def _new_lease() -> tuple[datetime, str, datetime]:
     """Now, a fresh owner token, and the lease's expiry."""
     now = timezone.now()
@@ -144,9 +123,10 @@ class DatabaseBackend(LimitedBackend):
         super().__init__(name, options)
         self.alias = self.history_alias = options.get("DATABASE", DEFAULT_DB_ALIAS)
         # One statement (PostgreSQL) or one transaction (SQLite) acks a job and claims the next.
-        # (The connection's vendor is known without connecting.)
-        # A batch is claimed with one statement, and its successes acked with one more.
-        self.pipelines_ack_fetch = self.supports_prefetch = connections[self.alias].vendor in ("postgresql", "sqlite")
+        # A batch is claimed with one statement, and its acks, recorded starts and requeues are
+        # written with one more (``db_settle``). (The connection's vendor is known without connecting.)
+        batched = connections[self.alias].vendor in ("postgresql", "sqlite")
+        self.pipelines_ack_fetch = self.supports_prefetch = self.batches_requeues = batched
         # PostgreSQL: the worker's own statements (claims, settles, lease renewals) commit without
         # waiting for the WAL flush. Dispatches stay durable. A database crash may undo the
         # settles of its last moments; those jobs are then recovered as lost runs.
@@ -254,12 +234,9 @@ class DatabaseBackend(LimitedBackend):
         if count == 1:
             return
         if requeue:  # rare: a second statement tells an abort from a lost lease
-            _, row = self._execute(
-                f"SELECT abort_requested FROM {TABLE} WHERE id = %s AND owner_token = %s",
-                [lease.token, lease.owner_token],
-            )
-            if row is not None and row[0] is not None:
-                raise AbortRequested(row[0])
+            asked = self._abort_requested_of(lease)
+            if asked is not None:
+                raise AbortRequested(asked)
         raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
 
     def _finish(self, lease: Lease, assignments: str, params: list[Any], outcome: str) -> None:
@@ -429,66 +406,95 @@ class DatabaseBackend(LimitedBackend):
         return self.supports_prefetch and not self._conn.in_atomic_block
 
     def ack_many(self, leases: list[Lease], begun: Sequence[Lease] = ()) -> list[Lease]:
-        """One statement on PostgreSQL (the starts in a CTE), one transaction on SQLite."""
-        if not leases and not begun:
-            return []
-        vendor = self._conn.vendor
-        if vendor == "postgresql":
-            sql, params = f"{self._ack_many_sql()} RETURNING {TABLE}.id", self._ack_many_params(leases)
-            if begun:
-                sql = f"WITH begun AS ({BEGIN_MANY_PG}) {sql}"
-                params = [[lease.token for lease in begun], [lease.owner_token for lease in begun], *params]
-            _, rows = self._execute_queue(sql, params, prepare=True, every_row=True)
-            return self._ack_slowly(_lost(leases, {row[0] for row in rows}))
-        if vendor != "sqlite":
+        if not self.batches_requeues:
             return super().ack_many(leases, begun)
-        if not begun:
-            return self._ack_slowly(self._ack_many_sqlite(leases))
-        with transaction.atomic(using=self.alias):
-            lost = self._ack_many_sqlite(leases)
-            self._execute(*_each_fenced_sqlite("claimed_ahead = 0", [], begun))
-        return self._ack_slowly(lost)
+        return self.settle_many(leases, begun)[0]
+
+    def settle_many(
+        self, acks: list[Lease], begun: Sequence[Lease] = (), requeues: Sequence[Requeue] = ()
+    ) -> tuple[list[Lease], list[Requeued]]:
+        """One UPDATE on PostgreSQL and SQLite (``db_settle``), whatever the batch holds."""
+        if not self.batches_requeues:
+            return super().settle_many(acks, begun, requeues)
+        if not acks and not begun and not requeues:
+            return [], []
+        vendor = self._conn.vendor
+        sql, params = self._settle_batch(vendor, timezone.now(), acks, begun, requeues)
+        _, rows = self._execute_queue(sql, params, prepare=True, every_row=True)
+        return self._settled(acks, requeues, {row[0] for row in rows})
 
     def ack_many_and_fetch(self, leases: list[Lease], queue: str, limit: int) -> tuple[list[Lease], list[Lease]]:
-        """One statement on PostgreSQL, one transaction on SQLite: the acks (fenced row by
-        row) and the claim of the next batch, which is made whatever the acks found."""
+        if not self.batches_requeues:
+            return super().ack_many_and_fetch(leases, queue, limit)
+        lost, _, claimed = self.settle_many_and_fetch(leases, (), queue, limit)
+        return lost, claimed
+
+    def settle_many_and_fetch(
+        self, acks: list[Lease], requeues: Sequence[Requeue], queue: str, limit: int
+    ) -> tuple[list[Lease], list[Requeued], list[Lease]]:
+        """One statement on PostgreSQL, one transaction on SQLite: the batch's settles (as
+        :meth:`settle_many`) and the claim of the next batch, which is made whatever the
+        settles found. On PostgreSQL the claim cannot see the runs requeued by its own
+        statement: when some were due at once and the claim came back short, a second claim,
+        under the same owner token, takes them."""
+        if not self.batches_requeues:
+            return super().settle_many_and_fetch(acks, requeues, queue, limit)
         vendor = self._conn.vendor
         now, owner, expires = _new_lease()
-        claim = self._claim_params(queue, owner, now, expires) + [limit]
+        claim_sql, claim = self._claim_sql(vendor, batch=True), self._claim_params(queue, owner, now, expires) + [limit]
+        sql, params = self._settle_batch(vendor, now, acks, (), requeues)
         if vendor == "sqlite":
             with transaction.atomic(using=self.alias):
-                lost = self._ack_many_sqlite(leases)
-                _, rows = self._execute(self._claim_sql(vendor, batch=True), claim, every_row=True)
-            return self._ack_slowly(lost), self._batch(rows, owner, expires, queue)
-        if vendor != "postgresql":
-            return super().ack_many_and_fetch(leases, queue, limit)
+                _, settled = self._execute(sql, params, every_row=True)
+                _, claimed = self._execute(claim_sql, claim, every_row=True)
+            lost, done = self._settled(acks, requeues, {row[0] for row in settled})
+            return lost, done, self._batch(claimed, owner, expires, queue)
         sql = (
-            f"WITH done AS ({self._ack_many_sql()} RETURNING {TABLE}.id), "
-            f"next AS ({self._claim_sql(vendor, batch=True)}) "
-            f"SELECT (SELECT array_agg(id) FROM done), next.* FROM (SELECT 1) AS one LEFT JOIN next ON TRUE"
+            # The settled ids come back once, in a row of their own (not in every claimed row).
+            f"WITH done AS ({sql}), next AS ({claim_sql}) "
+            f"SELECT settled.ids, next.* FROM next FULL JOIN (SELECT array_agg(id) AS ids FROM done) AS settled ON FALSE"
         )
-        _, rows = self._execute_queue(sql, self._ack_many_params(leases) + claim, prepare=True, every_row=True)
-        acked = set(rows[0][0] or ())
+        _, rows = self._execute_queue(sql, params + claim, prepare=True, every_row=True)
         claimed = [row[1:] for row in rows if row[1] is not None]
-        return self._ack_slowly(_lost(leases, acked)), self._batch(claimed, owner, expires, queue)
+        settled = next(row[0] for row in rows if row[1] is None)
+        lost, done = self._settled(acks, requeues, set(settled or ()))
+        if len(claimed) < limit and any(
+            o is True and r.due <= time.time() for r, o in zip(requeues, done, strict=True)
+        ):
+            claim[-1] = limit - len(claimed)
+            _, more = self._execute_queue(claim_sql, claim, prepare=True, every_row=True)
+            claimed += more
+        return lost, done, self._batch(claimed, owner, expires, queue)
 
-    @staticmethod
-    def _ack_many_sql() -> str:
-        """PostgreSQL: ack many rows, each fenced on its own (id, owner token) pair.
-        Parameters: finished_at, updated_at, ids, owner tokens."""
-        return f"{_each_fenced_pg(ACKED)} AND NOT {TABLE}.has_dependents"
+    def _settle_batch(
+        self, vendor: str, now: datetime, acks: Sequence[Lease], begun: Sequence[Lease], requeues: Sequence[Requeue]
+    ) -> tuple[str, list[Any]]:
+        """The UPDATE of a batch's settles at ``now`` and its parameters (a requeue due by
+        then is ready from ``now``)."""
+        batch = db_settle.Batch.of(acks, begun, requeues, now, self._adapt, time.time())
+        return db_settle.settle_sql(vendor), [self._adapt(now), *batch.params(vendor)]
 
-    def _ack_many_params(self, leases: list[Lease]) -> list[Any]:
-        now = self._adapt(timezone.now())
-        return [now, now, [lease.token for lease in leases], [lease.owner_token for lease in leases]]
+    def _settled(
+        self, acks: list[Lease], requeues: Sequence[Requeue], settled: set[str]
+    ) -> tuple[list[Lease], list[Requeued]]:
+        """After a batch's UPDATE (``settled``: the ids it wrote): the acks it left alone are
+        acked on the transactional path if still ours (a job waits for them), the others are
+        lost; a requeue it left alone was refused (asked to abort) or is lost."""
+        left, again = db_settle.outcomes(acks, requeues, settled)
+        refused = {requeue.lease.token: self._abort_requested_of(requeue.lease) for requeue in again}
+        done: list[Requeued] = [
+            True if r.lease.token not in refused else (refused[r.lease.token] or False) for r in requeues
+        ]
+        return self._ack_slowly(left), done
 
-    def _ack_many_sqlite(self, leases: list[Lease]) -> list[Lease]:
-        if not leases:
-            return []
-        now = self._adapt(timezone.now())
-        sql, params = _each_fenced_sqlite(ACKED, [now, now], leases)
-        _, rows = self._execute(f"{sql} AND {NO_DEPENDENTS} RETURNING id", params, every_row=True)
-        return _lost(leases, {row[0] for row in rows})
+    def _abort_requested_of(self, lease: Lease) -> str | None:
+        """Who asked to abort the job of ``lease``, if the lease is still ours (a requeue was
+        refused), else ``None`` (the lease is lost)."""
+        _, row = self._execute(
+            f"SELECT abort_requested FROM {TABLE} WHERE id = %s AND owner_token = %s",
+            [lease.token, lease.owner_token],
+        )
+        return None if row is None else cast("str | None", row[0])
 
     def _batch(self, rows: list[Any], owner: str, expires: datetime, queue: str) -> list[Lease]:
         """Leases for a claimed batch, in the order the claim chose them (RETURNING has none)."""
@@ -817,13 +823,3 @@ class DatabaseBackend(LimitedBackend):
             )
         )
         return counts
-
-
-def _each_fenced_sqlite(assignments: str, params: list[Any], leases: Sequence[Lease]) -> tuple[str, list[Any]]:
-    """SQLite: an UPDATE of the rows of ``leases``, each fenced on its (id, owner token) pair;
-    ``params``: those of ``assignments``."""
-    ids, pairs = ", ".join(["%s"] * len(leases)), ", ".join(["(%s, %s)"] * len(leases))
-    # "id IN (...)" leads SQLite to the rows by primary key (the row values alone scan the table).
-    sql = f"UPDATE {TABLE} SET {assignments} WHERE id IN ({ids}) AND (id, owner_token) IN (VALUES {pairs})"
-    tokens = [lease.token for lease in leases]
-    return sql, [*params, *tokens, *(value for lease in leases for value in (lease.token, lease.owner_token))]

@@ -152,18 +152,31 @@ def _from_ms(ms: float) -> datetime:
 
 
 class RedisBackend(LimitedBackend):
-    """Options: ``URL`` (``redis://...``) or ``CACHE`` (a django-redis cache alias whose pool is
-    reused), ``PREFIX`` (default ``django_jobs``)."""
+    """Options: ``URL`` (``redis://...``, or ``redis+sentinel://...``), ``CACHE`` (a django-redis
+    cache alias whose pool is reused), ``SENTINELS`` and ``SERVICE``, or ``CLUSTER`` with ``URL``
+    or ``STARTUP_NODES`` (``redis_connection.py``); ``PREFIX`` (default ``django_jobs``)."""
 
     limits: redis_limits.RedisLimits
 
-    # ClusterError: a cluster whose slots are not all served (CLUSTERDOWN, while a replica takes over).
-    unavailable_errors = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError, OSError)
+    # ReadOnlyError: a primary demoted by a Sentinel failover (MasterNotFoundError, while the
+    # sentinels have no primary, is a ConnectionError). ClusterError: a cluster whose slots are
+    # not all served (CLUSTERDOWN, while a replica takes over).
+    unavailable_errors = (
+        redis.ConnectionError,
+        redis.TimeoutError,
+        redis.exceptions.ReadOnlyError,
+        redis.exceptions.ClusterError,
+        OSError,
+    )
     supports_priority = True
     pipelines_ack_fetch = True
     supports_prefetch = True
     batches_requeues = True
     supports_dependencies = True
+
+    @classmethod
+    def options_problem(cls, options: dict[str, Any]) -> str | None:
+        return redis_connection.problem(options)
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)

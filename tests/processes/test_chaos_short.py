@@ -1,5 +1,5 @@
 """The chaos battery's short version (``bench/chaos_battery.py --short``) against PostgreSQL, Redis
-and a Redis Cluster.
+and a Redis Cluster, and a failover under Redis Sentinel.
 
 ``bench/chaos_battery.py`` runs real ``jobs_work`` processes against a PRIVATE PostgreSQL server it
 initdb's and starts on a free loopback port (its own temp dir, never the shared server) and, for
@@ -27,6 +27,11 @@ Redis, a PRIVATE ``redis-server`` on a free port. Scenarios, ~300 jobs each:
   ``WorkerLost``, no handler is called more than ``max_retries + 1`` times, and no run is called
   again under the same attempt number (an uncounted re-run) unless a blind freeze, which may
   land within the ack interval after a start, explains it.
+
+- failover (a private Sentinel group: primary, replica, three sentinels): three workers drain
+  150 jobs while 5 more are dispatched every 0.1 s; ``SENTINEL FAILOVER``, then a SIGKILL of the
+  primary: the workers follow each new primary by themselves, and an acknowledged job is missing
+  only if the old primary acknowledged it around a failover (asynchronous replication).
 
 Only outcomes are asserted (nothing lost, nothing bad executed, nothing out of order, no worker
 crash, chaos did happen); the figures (duplicates, latencies, throughput) vary with the machine and are printed.
@@ -253,5 +258,37 @@ def test_chaos_short_on_a_redis_cluster(tmp_path, capsys):
     # queue is SIGKILLed twice and its replica promoted (the killed node rejoins as a replica).
     summary = check(report, log, broker_restarts=2)
     summary += "\n" + check_flows(report, log)
+    with capsys.disabled():
+        print("\n" + summary)
+
+
+def check_failover(report: dict[str, Any], log: str) -> str:
+    failover = report["scenarios"]["failover"]
+    details = json.dumps({k: failover[k] for k in ("lost_ids", "event_log", "unexpected_exits")}, indent=1)
+    # The primary was failed over, then killed, while the workers ran and jobs were dispatched.
+    assert failover["events"] == {"failover": 1, "kill_primary": 1}, failover["event_log"]
+    assert failover["drained"], f"failover did not drain\n{details}\n{log}"
+    # An acknowledged dispatch is missing only if the old primary acknowledged it around a
+    # failover (asynchronous replication); any other is lost for good.
+    assert failover["lost_unexplained"] == 0, f"{failover['lost_unexplained']} job(s) lost\n{details}\n{log}"
+    # The workers followed each new primary by themselves: jobs finished after each promotion,
+    # and none crashed or was restarted.
+    assert all(after is not None for after in failover["resumed_after_s"].values()), failover["resumed_after_s"]
+    assert failover["worker_crashes"] == 0, f"worker crashes\n{details}\n{log}"
+    assert set(failover["exit_codes_on_sigterm"].values()) == {0}, failover["exit_codes_on_sigterm"]
+    assert failover["leases_left"] == 0 and failover["backlog_after"] == 0, failover
+    return (
+        f"[chaos --short sentinel failover] acknowledged {failover['jobs_acknowledged']}, refused "
+        f"{failover['dispatches_refused_jobs']}; lost {failover['lost']} {failover['lost_explained_by_event']} "
+        f"(unexplained 0); duplicates {failover['duplicate_jobs']} {failover['duplicates_by_event']}; resumed "
+        f"after {failover['resumed_after_s']} s"
+    )
+
+
+@pytest.mark.slow
+def test_chaos_short_failover_on_sentinel(tmp_path, capsys):
+    require_private_servers("redis-server")
+    report, log = run_chaos("sentinel", tmp_path, "failover")
+    summary = check_failover(report, log)
     with capsys.disabled():
         print("\n" + summary)

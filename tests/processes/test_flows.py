@@ -32,10 +32,11 @@ BACKENDS = [
     pytest.param("pg", id="database-postgres"),
     pytest.param("redis", id="redis"),
     pytest.param("redis_cluster", id="redis-cluster"),
+    pytest.param("redis_sentinel", id="redis-sentinel"),
 ]
-# The fixture that brings each broker up (the cluster's backend joins the settings, here and
-# in the workers).
-SERVICES = {"redis": "redis_up", "redis_cluster": "redis_cluster_in_settings"}
+# The fixture that brings each broker up (the cluster's and Sentinel's backends join the
+# settings, here and in the workers).
+SERVICES = {"redis": "redis_up", "redis_cluster": "redis_cluster_in_settings", "redis_sentinel": "sentinel_backend"}
 LEASE = 2.0
 MEMBERS = 1000
 WORKERS = 3

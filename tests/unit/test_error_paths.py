@@ -647,8 +647,10 @@ def test_url_handler_speaks_tls_to_the_vetted_address(local_server):
 # -- redis backend without a server ---------------------------------------------------------------
 
 
-def test_redis_backend_needs_a_url_or_a_cache():
-    with pytest.raises(ImproperlyConfigured, match="needs OPTIONS\\['URL'\\] or OPTIONS\\['CACHE'\\]"):
+def test_redis_backend_needs_a_url_a_cache_or_sentinels():
+    with pytest.raises(
+        ImproperlyConfigured, match="needs OPTIONS\\['URL'\\], OPTIONS\\['CACHE'\\] or OPTIONS\\['SENTINELS'\\]"
+    ):
         RedisBackend("nourl", {}).client  # noqa: B018
 
 
