@@ -10,7 +10,19 @@ import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypedDict, TypeVar, Unpack, cast, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    Literal,
+    NamedTuple,
+    ParamSpec,
+    TypedDict,
+    TypeVar,
+    Unpack,
+    cast,
+    overload,
+)
 
 from asgiref.sync import markcoroutinefunction
 from django.apps import apps
@@ -259,8 +271,9 @@ class JobBuilder:
         :class:`~django_jobs.exceptions.DispatchCancelled`.
         """
         opts = self._opts
-        queue = opts.get("queue") or conf.default_queue()
-        if queue not in conf.queues():
+        defaults = _dispatch_defaults()
+        queue = opts.get("queue") or defaults.queue
+        if queue not in defaults.queues:
             raise UnknownQueue(f"queue {queue!r} is not in JOBS['QUEUES'] ({', '.join(conf.queues())})")
         _check_idempotency_key(opts.get("idempotency_key"))
         if self._check_at_build and self._function is not None:
@@ -269,17 +282,18 @@ class JobBuilder:
         text = self._encoded()
         if _ESCAPED_NUL.search(text):
             raise InvalidPayload("payload contains U+0000, which PostgreSQL cannot store; encode binary data")
-        if len(text) > conf.get("MAX_MESSAGE_BYTES"):  # cheap early refusal; the whole message is checked below
+        if len(text) > defaults.max_bytes:  # cheap early refusal; the whole message is checked below
             raise InvalidPayload(f"payload of {len(text)} bytes exceeds JOBS['MAX_MESSAGE_BYTES']")
         now = timezone.now()
         priority: int = opts.get("priority", 0)
-        timeout: float | None = opts.get("timeout", conf.get("DEFAULT_TIMEOUT"))
+        timeout: float | None = opts.get("timeout", defaults.timeout)
         available_at = _available_at(opts, now)
+        # No request is built when nobody listens (an empty receiver list is checked without a lock).
         # Django matches a sender by identity: an interned key is the object a receiver's literal
         # sender="command" is.
-        sender = self._function if self._function is not None else sys.intern(self._handler)
-        # No request is built when nobody listens (an empty receiver list is checked without a lock).
-        if job_dispatching.receivers and job_dispatching.has_listeners(sender):
+        if job_dispatching.receivers and job_dispatching.has_listeners(
+            sender := self._function if self._function is not None else sys.intern(self._handler)
+        ):
             request = DispatchRequest(self._handler, self._payload, queue, priority, timeout, available_at, now)
             emit(job_dispatching, sender, request=request)
             if request.cancelled:
@@ -299,7 +313,7 @@ class JobBuilder:
             payload=self._payload,
             queue=queue,
             priority=priority,
-            max_retries=opts.get("max_retries", conf.get("DEFAULT_MAX_RETRIES")),
+            max_retries=opts.get("max_retries", defaults.max_retries),
             name=opts.get("name", ""),
             idempotency_key=opts.get("idempotency_key"),
             timeout=timeout,
@@ -308,10 +322,13 @@ class JobBuilder:
             unlisted_parents=[] if "parents" in options else parents,
         )
         env.signature = signing.sign(env)
-        # The cap a worker applies to the whole encoded message: refuse here what it would reject.
-        size = len(env.to_bytes())
-        if size > conf.get("MAX_MESSAGE_BYTES"):
-            raise InvalidPayload(f"message of {size} bytes exceeds JOBS['MAX_MESSAGE_BYTES']")
+        # The cap a worker applies to the whole encoded message: refuse here what it would reject
+        # (encoded only when a bound of its size, known without encoding, does not fit).
+        bound = env.size_at_most(len(text))
+        if bound is None or bound > defaults.max_bytes:
+            size = len(env.to_bytes())
+            if size > defaults.max_bytes:
+                raise InvalidPayload(f"message of {size} bytes exceeds JOBS['MAX_MESSAGE_BYTES']")
         return env
 
     def _encoded(self) -> str:
@@ -348,6 +365,33 @@ def _refuse_unknown(options: Mapping[str, Any], what: str, allowed: tuple[str, .
         )
     if unknown:
         raise TypeError(f"unknown {what}: {', '.join(sorted(unknown))}")
+
+
+class _Defaults(NamedTuple):
+    """What a dispatch reads of ``JOBS``, worked out once per settings (every dispatch asks)."""
+
+    queues: frozenset[str]
+    queue: str  # the default queue
+    timeout: float | None
+    max_retries: int
+    max_bytes: int
+
+
+_defaults: _Defaults | None = None
+
+
+def _dispatch_defaults() -> _Defaults:
+    global _defaults
+    if _defaults is None:
+        queues = conf.queues()
+        _defaults = _Defaults(
+            frozenset(queues),
+            queues[0],
+            conf.get("DEFAULT_TIMEOUT"),
+            conf.get("DEFAULT_MAX_RETRIES"),
+            conf.get("MAX_MESSAGE_BYTES"),
+        )
+    return _defaults
 
 
 def _available_at(opts: dict[str, Any], now: datetime) -> datetime | None:
@@ -652,13 +696,13 @@ class JobFunction(Generic[P, R]):
 
     def builder(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
         """A :class:`JobBuilder` for this call, not yet sent (e.g. for ``Jobs.bulk``)."""
-        return self.using().builder(*args, **kwargs)
+        return self._plain().builder(*args, **kwargs)
 
     def prepare(self, *args: Any, **kwargs: Any) -> JobBuilder:
         """An unsent call, for :func:`~django_jobs.chain` and :func:`~django_jobs.group` (or
         ``dispatch()`` it). In a ``chain(..., pass_result=True)`` the previous step's result
         becomes its first argument: leave that one out here."""
-        return self.using().prepare(*args, **kwargs)
+        return self._plain().prepare(*args, **kwargs)
 
     def build(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
         """Deprecated: ``builder()``. (``JobBuilder.build()`` returns an envelope, not a builder.)"""
@@ -667,7 +711,14 @@ class JobFunction(Generic[P, R]):
 
     def dispatch(self, *args: P.args, **kwargs: P.kwargs) -> str:
         """Enqueue a call; returns the job id."""
-        return self.using().dispatch(*args, **kwargs)
+        return self._plain().dispatch(*args, **kwargs)
+
+    def _plain(self) -> BoundJob[P, R]:
+        """``using()`` with no options of the call's own, made once."""
+        bound = _plain.get(self)
+        if bound is None:
+            bound = _plain[self] = self.using()
+        return bound
 
 
 class BoundJob(Generic[P, R]):
@@ -675,6 +726,8 @@ class BoundJob(Generic[P, R]):
 
     def __init__(self, function: JobFunction[P, R], options: JobOptions) -> None:
         self.function, self.options = function, options
+        # The builder options these make, checked once per settings (``_generation``).
+        self._checked: tuple[int, dict[str, Any]] | None = None
 
     def builder(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
         """A :class:`JobBuilder` for this call, not yet sent (e.g. for ``Jobs.bulk``)."""
@@ -692,8 +745,11 @@ class BoundJob(Generic[P, R]):
         builder = JobBuilder(self.function.key, {"args": list(args), "kwargs": kwargs})
         builder._function = self.function
         builder.calls(self.function.argument_problem)
-        options: JobOptions = {"name": self.function.key, **self.options}
-        return builder.options(**options)
+        if self._checked is None or self._checked[0] != _generation:
+            options: JobOptions = {"name": self.function.key, **self.options}
+            self._checked = _generation, JobBuilder(self.function.key).options(**options)._opts
+        builder._opts = dict(self._checked[1])
+        return builder
 
     def build(self, *args: P.args, **kwargs: P.kwargs) -> JobBuilder:
         """Deprecated: ``builder()``. (``JobBuilder.build()`` returns an envelope, not a builder.)"""
@@ -749,12 +805,23 @@ def _describe_argument(label: str, value: Any, problem: PayloadProblem) -> str:
 _importable: set[JobFunction[Any, Any]] = set()
 
 
-def _forget_importable(*, setting: str, **kwargs: Any) -> None:
+# Each @job function with its own options only (``using()`` with none), made once.
+_plain: dict[JobFunction[Any, Any], BoundJob[Any, Any]] = {}
+# Counts the changes of the JOBS settings: options checked before the last one are checked
+# again (the settings, a backoff's among them, decide what is valid).
+_generation = 0
+
+
+def _forget_settings(*, setting: str, **kwargs: Any) -> None:
+    global _defaults, _generation
     if setting in ("JOBS", "INSTALLED_APPS", "TASKS"):
         _importable.clear()
+    if setting == "JOBS":
+        _defaults = None
+        _generation += 1
 
 
-setting_changed.connect(_forget_importable)
+setting_changed.connect(_forget_settings)
 
 
 def _check_importable(function: JobFunction[Any, Any]) -> None:

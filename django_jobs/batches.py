@@ -174,11 +174,16 @@ class Batches:
     def requeue_later(self, lease: Lease, verdict: Verdict) -> bool:
         """The pipeline's requeue of a failed run: written with the next claim or by the
         heartbeat thread, as an ack is, then counted and recorded (``requeued``). ``False``, to
-        be written now, for a lease past half its time (as :meth:`ack_later` decides)."""
+        be written now, for a lease past half its time (as :meth:`ack_later` decides), and for
+        a run whose start is not written yet: if this process died before the batch's next
+        write, its supervisor would count only the job then in hand, and this run would be
+        handed back uncounted."""
         if lease.seconds_left() < self.lease_seconds / 2:
             return False
         requeue = Requeue(lease, time.time() + max(verdict.delay, 0.0), verdict.error or "", verdict.count_run)
         with self._lock:
+            if id(lease) in self._begun:
+                return False
             self._requeues.append((requeue, verdict))
             self._watch_later()
         return True

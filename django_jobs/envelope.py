@@ -25,7 +25,7 @@ def dumps_payload(payload: Any) -> str:
     Infinity included) with the path of the value at fault. Dict keys that JSON turns into
     strings are :func:`check_keys`' business."""
     try:
-        return json.dumps(payload, allow_nan=False, separators=(",", ":"))
+        return _WIRE.encode(payload)  # as ``to_bytes`` writes it
     except (TypeError, ValueError, RecursionError) as exc:
         problem = payload_problem(payload, "payload")
         raise InvalidPayload(f"job payload is not JSON-serialisable: {problem.text if problem else exc}") from exc
@@ -182,6 +182,17 @@ class Envelope:
         data["available_at"] = self.available_at.timestamp() if self.available_at else None
         return _WIRE.encode(data).encode()
 
+    def size_at_most(self, payload_size: int) -> int | None:
+        """A bound of ``len(self.to_bytes())`` worked out without encoding, given the length of
+        the payload's JSON (:func:`dumps_payload`, as ``to_bytes`` writes it); ``None`` when the
+        envelope has options (their JSON is not known without encoding them). Each character of
+        a text field takes at most 12 bytes (an astral one, two ``\\uXXXX``); the field names,
+        numbers and punctuation take less than ``_WIRE_FIXED``."""
+        if self.options:
+            return None
+        texts = (self.id, self.handler, self.queue, self.name, self.idempotency_key or "", self.signature)
+        return payload_size + 12 * sum(map(len, texts)) + _WIRE_FIXED
+
     @classmethod
     def from_bytes(cls, raw: bytes | str, limit: int | None = None) -> Envelope:
         """Decode bytes from a broker. Raises :class:`InvalidPayload` on anything malformed.
@@ -224,7 +235,11 @@ class Envelope:
 
 
 _WIRE_FIELDS = tuple(f.name for f in fields(Envelope) if f.metadata.get("wire", True))
+# Made once (``json.dumps`` with options builds an encoder for every call): messages and payloads.
 _WIRE = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+# More than what ``to_bytes`` writes besides the payload and the text fields: every field's name
+# and punctuation (about 170 bytes) and the numbers (each at most 25 characters).
+_WIRE_FIXED = 512
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "id": (str,),

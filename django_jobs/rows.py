@@ -4,7 +4,9 @@ statement lists, bounded however many there are (:func:`matching`, :func:`chunke
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from django.db import models
@@ -17,6 +19,11 @@ T = TypeVar("T")
 IDS_PER_STATEMENT = 500
 # The most rows one INSERT of :func:`insert_many` writes on PostgreSQL.
 ROWS_PER_STATEMENT = 1000
+
+# No columns (``fixed``'s default).
+NOTHING: Mapping[str, Any] = MappingProxyType({})
+# A str :func:`literal` writes as it is, quoted.
+_WORD = re.compile(r"[A-Za-z0-9_]*")
 
 # Appended to a statement sent in autocommit on PostgreSQL (one simple-protocol query, so one
 # round trip): that statement's implicit transaction commits without waiting for the WAL flush.
@@ -37,77 +44,116 @@ def commits_async(connection: Any) -> bool:
     return simple_protocol(connection) and not connection.in_atomic_block
 
 
-def insert(connection: Any, model: type[models.Model], values: dict[str, Any], *, async_commit: bool = False) -> None:
+def insert(
+    connection: Any,
+    model: type[models.Model],
+    values: dict[str, Any],
+    *,
+    async_commit: bool = False,
+    fixed: Mapping[str, Any] = NOTHING,
+) -> None:
     """INSERT one row of ``model`` from ``values`` (by attribute name; every concrete field but
-    an auto primary key), prepared by each field as the ORM would. ``async_commit``: without
-    waiting for the disk where :func:`commits_async` allows it."""
-    key = (connection.alias, model._meta.label, tuple(values))
+    an auto primary key), prepared by each field as the ORM would.
+    ``fixed``: more columns, written into the statement as constants (see :func:`literal`).
+    ``async_commit``: without waiting for the disk where :func:`commits_async` allows it."""
+    key = (connection.alias, model._meta.label, tuple(values), tuple(fixed.items()))
     if key not in _INSERTS:  # worked out once: a dispatch and a history row each send one
-        quote = connection.ops.quote_name
         fields = [f for f in model._meta.concrete_fields if f.attname in values]
-        columns = ", ".join(quote(f.column) for f in fields)
-        placeholders = ", ".join(["%s"] * len(fields))
-        _INSERTS[key] = (f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES ({placeholders})", fields)
-    sql, fields = _INSERTS[key]
+        row = ", ".join(["%s"] * len(fields) + [literal(value) for value in fixed.values()])
+        _INSERTS[key] = (f"{_head(connection, model, fields, fixed)} VALUES ({row})", _typed(fields))
+    sql, columns = _INSERTS[key]
     if async_commit and commits_async(connection):
         sql += ASYNC_COMMIT
     with connection.cursor() as cursor:
-        cursor.execute(sql, [_prepare(f, values[f.attname], connection) for f in fields])
+        cursor.execute(sql, [_prepare(f, kind, values[f.attname], connection) for f, kind in columns])
 
 
 def insert_many(
-    connection: Any, model: type[models.Model], values: Sequence[dict[str, Any]], *, async_commit: bool = False
+    connection: Any,
+    model: type[models.Model],
+    values: Sequence[dict[str, Any]],
+    *,
+    async_commit: bool = False,
+    fixed: Mapping[str, Any] = NOTHING,
 ) -> None:
     """INSERT rows of ``model``, each from a dict as :func:`insert` takes it (all with the same
-    attribute names), with a bounded number of parameters per statement whatever their number:
-    on PostgreSQL :data:`ROWS_PER_STATEMENT` rows at a time, each column one array (``UNNEST``)
-    or, when every row has the same value, that value once; elsewhere the one-row INSERT run
-    for each (the driver batches it: MySQL's into multi-row INSERTs, SQLite's in one call).
-    ``async_commit``: as :func:`insert` takes it."""
+    attribute names, and the same ``fixed``), with a bounded number of parameters per statement
+    whatever their number: on PostgreSQL :data:`ROWS_PER_STATEMENT` rows at a time, each column
+    one array (``UNNEST``) or, when every row has the same value, that value once; elsewhere the
+    one-row INSERT run for each (the driver batches it: MySQL's into multi-row INSERTs,
+    SQLite's in one call). ``async_commit``: as :func:`insert` takes it."""
     if not values:
         return
     fields = [f for f in model._meta.concrete_fields if f.attname in values[0]]
-    quote = connection.ops.quote_name
-    head = f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(quote(f.column) for f in fields)})"
+    head = _head(connection, model, fields, fixed)
+    literals = [literal(value) for value in fixed.values()]
     with connection.cursor() as cursor:
         if connection.vendor != "postgresql":
-            row = f"({', '.join(['%s'] * len(fields))})"
-            rows = [[_prepare(f, one[f.attname], connection) for f in fields] for one in values]
+            row = f"({', '.join(['%s'] * len(fields) + literals)})"
+            columns = _typed(fields)
+            rows = [[_prepare(f, kind, one[f.attname], connection) for f, kind in columns] for one in values]
             cursor.executemany(f"{head} VALUES {row}", rows)
             return
         tail = ASYNC_COMMIT if async_commit and commits_async(connection) else ""
         for batch in chunked(values, ROWS_PER_STATEMENT):
-            sql, params = _unnest(head, fields, batch, connection)
+            sql, params = _unnest(head, fields, literals, batch, connection)
             cursor.execute(sql + tail, params)
 
 
-def _unnest(head: str, fields: list[Any], batch: Sequence[dict[str, Any]], connection: Any) -> tuple[str, list[Any]]:
+def _head(connection: Any, model: type[models.Model], fields: list[Any], fixed: Mapping[str, Any]) -> str:
+    """``INSERT INTO table (columns)``: those of ``fields``, then those of ``fixed``."""
+    quote = connection.ops.quote_name
+    columns = [quote(f.column) for f in fields] + [quote(model._meta.get_field(name).column) for name in fixed]
+    return f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(columns)})"
+
+
+def literal(value: Any) -> str:
+    """``value`` as an SQL constant every database reads alike: ``NULL``, an int, or a str of
+    letters, digits and ``_`` (quoted). Anything else is a parameter's business: ValueError."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, str) and _WORD.fullmatch(value):
+        return f"'{value}'"
+    raise ValueError(f"{value!r} is not written as an SQL constant; pass it as a parameter")
+
+
+def _unnest(
+    head: str, fields: list[Any], literals: list[str], batch: Sequence[dict[str, Any]], connection: Any
+) -> tuple[str, list[Any]]:
     """PostgreSQL's INSERT of ``batch`` and its parameters: the same value in every row once,
-    the others one array per column, read back by ``UNNEST``."""
+    the others one array per column, read back by ``UNNEST``; then the ``literals``."""
     selected: list[str] = []
     unnested: list[str] = []
     constants: list[Any] = []
     arrays: list[list[Any]] = []
-    for f in fields:
+    for f, kind in _typed(fields):
         # The type without its length (varchar, not varchar(64)), as Django's bulk_create.
-        kind = f.db_type(connection).split("(")[0]
+        sql_type = f.db_type(connection).split("(")[0]
         column = [one[f.attname] for one in batch]
         if column.count(column[0]) == len(column):
-            selected.append(f"%s::{kind}")
-            constants.append(_prepare(f, column[0], connection))
+            selected.append(f"%s::{sql_type}")
+            constants.append(_prepare(f, kind, column[0], connection))
         else:
             selected.append(f"batch.c{len(arrays)}")
-            unnested.append(f"%s::{kind}[]")
-            arrays.append([_prepare(f, value, connection) for value in column])
+            unnested.append(f"%s::{sql_type}[]")
+            arrays.append([_prepare(f, kind, value, connection) for value in column])
+    selected += literals
     source = f" FROM UNNEST({', '.join(unnested)}) AS batch({', '.join(f'c{i}' for i in range(len(arrays)))})"
     return f"{head} SELECT {', '.join(selected)}{source if arrays else ''}", [*constants, *arrays]
 
 
-def _prepare(field: Any, value: Any, connection: Any) -> Any:
+def _typed(fields: list[Any]) -> list[tuple[Any, type | None]]:
+    """Each field with its plain type (:func:`_plain_type`), looked up once per statement."""
+    return [(f, _plain_type(f)) for f in fields]
+
+
+def _prepare(field: Any, kind: type | None, value: Any, connection: Any) -> Any:
     """``value`` as ``field`` prepares it for ``connection``: ``None``, or a value of the very
     type the field stores as it is (a str of a text field, an int of an integer field, ...),
     needs no field to tell so."""
-    if value is None or type(value) is _plain_type(field):
+    if value is None or type(value) is kind:
         return value
     return field.get_db_prep_save(value, connection)
 
@@ -126,7 +172,7 @@ _STORED_AS_IS: tuple[tuple[tuple[type, ...], type], ...] = (
     ((models.BooleanField,), bool),
     ((models.FloatField,), float),
 )
-# Each field's plain type, worked out once (every row asks for every field).
+# Each field's plain type, worked out once.
 _PLAIN_TYPES: dict[Any, type | None] = {}
 
 
@@ -150,5 +196,8 @@ def chunked(values: Sequence[T], size: int = IDS_PER_STATEMENT) -> Iterator[Sequ
         yield values[start : start + size]
 
 
-# (database alias, model, attribute names) -> the INSERT statement and its fields, in order.
-_INSERTS: dict[tuple[str, str, tuple[str, ...]], tuple[str, list[Any]]] = {}
+# (database alias, model, attribute names, fixed columns) -> the INSERT statement and its
+# fields, in order.
+_INSERTS: dict[
+    tuple[str, str, tuple[str, ...], tuple[tuple[str, Any], ...]], tuple[str, list[tuple[Any, type | None]]]
+] = {}

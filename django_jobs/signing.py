@@ -51,7 +51,7 @@ def _normal(value: Any) -> Any:
         return int(Decimal(repr(value))) if value.is_integer() else value
     if isinstance(value, dict):
         return {k: _normal(v) for k, v in value.items()}
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):  # JSON carries a tuple as a list: signed as one
         return [_normal(v) for v in value]
     return value
 

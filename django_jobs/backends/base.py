@@ -491,7 +491,10 @@ class QueueBackend(ABC):
 
         def push() -> None:
             try:
-                self.enqueue_many(envelopes)
+                if len(envelopes) == 1:
+                    self.enqueue(envelopes[0])
+                else:
+                    self.enqueue_many(envelopes)
             except self.unavailable_errors as exc:
                 raise BackendUnavailable(f"{self.where()} is unreachable: {summary(exc)}") from exc
 

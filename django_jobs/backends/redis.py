@@ -24,7 +24,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from functools import cache
@@ -62,6 +62,7 @@ logger = logging.getLogger("django_jobs.backends.redis")
 
 SCRIPTS = (
     "enqueue",
+    "enqueue_many",
     "fetch",
     "ack",
     "ack_fetch",
@@ -88,6 +89,11 @@ LINK_BATCH = 500
 # Edges one round of a drain resolves, and commands one pipeline sends: a flow of 100,000 jobs
 # is sent and resolved in rounds that each hold Redis up for a moment only.
 DRAIN_BATCH = 1000
+# Script calls one pipeline sends when storing a bulk, and the bytes of messages above which one
+# call is sent without waiting for its DRAIN_BATCH jobs: a bulk of any size or bodies is stored
+# in round trips that each hold Redis up for a moment only.
+PIPELINE_CALLS = 10
+STORE_BYTES = 8 * 1024 * 1024
 # Joins the ids of an edge in a member of the dependents and edges zsets (no job id holds it).
 SEP = "\0"
 # Seconds a worker whose queues span several cluster slots blocks on one slot's notify lists
@@ -222,9 +228,16 @@ class RedisBackend(LimitedBackend):
         return self.run_script(script, self.keys(queue), args)
 
     def run_script(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """Run one registered Lua script (loaded again if the server lost it)."""
-        self.client  # noqa: B018  (connects and registers the scripts)
-        return self._scripts[script](keys=list(keys), args=list(args))
+        """Run one registered Lua script: one ``EVALSHA``, one round trip (a cluster sends it to
+        the primary of its keys' slot). A server that lost the script (restarted, or a replica
+        promoted since) ran nothing: the script is loaded again and the call resent."""
+        connection = self.client  # connects and registers the scripts
+        lua = self._scripts[script]
+        try:
+            return connection.evalsha(lua.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            connection.script_load(lua.script)
+            return connection.evalsha(lua.sha, len(keys), *keys, *args)
 
     def script_call(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, ...]:
         """A command of :meth:`send` that runs one registered Lua script, by its SHA alone (a
@@ -257,7 +270,7 @@ class RedisBackend(LimitedBackend):
         return replies
 
     def _pipe(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
+        pipe = redis_connection.pipeline(self.client)
         for method, *args in commands:
             getattr(pipe, method)(*args)
         return list(pipe.execute(raise_on_error=False))
@@ -271,24 +284,25 @@ class RedisBackend(LimitedBackend):
 
     # -- protocol --
 
-    def _push(self, envelope: Envelope) -> list[tuple[Any, ...]]:
-        """The commands (for :meth:`send`) that store ``envelope``: with parents, its open edges
-        (``DRAIN_BATCH`` to a command), then itself blocked; else as :meth:`_store` does."""
+    def _block(self, envelope: Envelope) -> list[tuple[Any, ...]]:
+        """The commands (for :meth:`send`) that store ``envelope``, which has parents: its open
+        edges (``DRAIN_BATCH`` to a command), then itself blocked."""
         keys = self.keys(envelope.queue)
         parents = _parents(envelope)
-        if not parents:
-            return [self.script_call("enqueue", keys, _store_args(envelope))]
         members = [f"{envelope.id}{SEP}{parent}" for parent in parents]
         edges = [("zadd", keys.edges, dict.fromkeys(chunk, 0)) for chunk in rows.chunked(members, DRAIN_BATCH)]
         body, priority = envelope.to_bytes(), _priority(envelope)
         return [*edges, self.script_call("block", keys, (envelope.id, body, priority, len(parents)))]
 
     def _store(self, envelope: Envelope) -> Any:
-        """Store ``envelope`` ready, or delayed until its ``available_at``."""
-        return self._run("enqueue", envelope.queue, *_store_args(envelope))
+        """Store ``envelope`` ready, or delayed until its ``available_at``: one ``EVALSHA``."""
+        return self._run("enqueue", envelope.queue, *_stored(envelope), _ms())
 
     def enqueue(self, envelope: Envelope) -> str:
-        self.enqueue_many([envelope])
+        if envelope.parents:
+            self.enqueue_many([envelope])
+        else:
+            self._store(envelope)
         return envelope.id
 
     def redispatch(self, envelope: Envelope) -> str:
@@ -298,12 +312,18 @@ class RedisBackend(LimitedBackend):
         return envelope.id
 
     def enqueue_many(self, envelopes: list[Envelope]) -> list[str]:
-        """Pipelines store them all (a child blocked), one per ``DRAIN_BATCH`` jobs; then the
-        children are attached to their parents, which are stored by then even when they are in
-        this batch."""
-        for batch in rows.chunked(envelopes, DRAIN_BATCH):
-            self.send([command for envelope in batch for command in self._push(envelope)])
-        edges = [(e.id, e.queue, parent) for e in envelopes for parent in _parents(e)]
+        """The jobs without parents: one ``enqueue_many`` script per queue and ``DRAIN_BATCH``
+        jobs (or ``STORE_BYTES`` of messages), ``PIPELINE_CALLS`` of them to a :meth:`send`. The
+        children: sends store them blocked, ``DRAIN_BATCH`` to one; then they are attached to
+        their parents, which are stored by then even when they are in this batch."""
+        now = _ms()
+        calls = [(self.keys(queue), [now, *args]) for queue, args in _store_calls(envelopes)]
+        for some in rows.chunked(calls, PIPELINE_CALLS):
+            self.batch("enqueue_many", some)
+        children = [envelope for envelope in envelopes if envelope.parents]
+        for batch in rows.chunked(children, DRAIN_BATCH):
+            self.send([command for envelope in batch for command in self._block(envelope)])
+        edges = [(e.id, e.queue, parent) for e in children for parent in _parents(e)]
         if edges:
             self._attach(edges)
         return [e.id for e in envelopes]
@@ -914,10 +934,32 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value or "")
 
 
-def _store_args(envelope: Envelope) -> tuple[Any, ...]:
-    """``enqueue.lua``'s arguments: ready, or delayed until its ``available_at``."""
-    due = envelope.available_at.timestamp() if envelope.available_at else 0
-    return envelope.id, envelope.to_bytes(), _priority(envelope), _ms(due), _ms()
+def _stored(envelope: Envelope) -> tuple[str, bytes, int, int]:
+    """What the store of ``envelope`` takes: its id, body, priority and due time (ms; 0: now)."""
+    due = _ms(envelope.available_at.timestamp()) if envelope.available_at else 0
+    return envelope.id, envelope.to_bytes(), _priority(envelope), due
+
+
+def _store_calls(envelopes: list[Envelope]) -> Iterator[tuple[str, list[Any]]]:
+    """The jobs of ``envelopes`` without parents, by queue (one script touches one queue's
+    keys), in order: (queue, the id, body, priority and due of each) for each script call of at
+    most ``DRAIN_BATCH`` jobs and about ``STORE_BYTES`` of messages."""
+    by_queue: dict[str, list[Envelope]] = {}
+    for envelope in envelopes:
+        if not envelope.parents:
+            by_queue.setdefault(envelope.queue, []).append(envelope)
+    for queue, some in by_queue.items():
+        args: list[Any] = []
+        size = 0
+        for envelope in some:
+            stored = _stored(envelope)
+            args += stored
+            size += len(stored[1])
+            if len(args) == 4 * DRAIN_BATCH or size >= STORE_BYTES:
+                yield queue, args
+                args, size = [], 0
+        if args:
+            yield queue, args
 
 
 def _priority(envelope: Envelope) -> int:

@@ -23,6 +23,8 @@ from django.core.exceptions import ImproperlyConfigured
 from . import require
 
 redis = require("redis", "redis")
+parsers = require("redis._parsers.commands", "redis")
+policies = require("redis.commands.policies", "redis")
 
 # Seconds the persistence probe waits for the server (it runs at start-up and in health checks).
 PROBE_TIMEOUT = 5.0
@@ -91,6 +93,33 @@ def _cluster_client(options: Mapping[str, Any], kwargs: dict[str, Any]) -> Any:
         if isinstance(exc.__cause__, (redis.ConnectionError, redis.TimeoutError, OSError)):
             raise redis.ConnectionError(str(exc)) from exc
         raise
+
+
+BasePolicyResolver: Any = policies.BasePolicyResolver
+
+
+class ScriptsByKey(BasePolicyResolver):  # type: ignore[misc]
+    """``EVALSHA`` routed by its first key, as a cluster client routes it alone."""
+
+    def __init__(self, fallback: Any = None) -> None:
+        keyed = parsers.CommandPolicies(parsers.RequestPolicy.DEFAULT_KEYED, parsers.ResponsePolicy.DEFAULT_KEYED)
+        super().__init__({"core": {"evalsha": keyed}}, fallback)
+
+    def with_fallback(self, fallback: Any) -> Any:
+        return ScriptsByKey(fallback)
+
+
+CLUSTER_POLICIES = policies.StaticPolicyResolver(fallback=ScriptsByKey())
+
+
+def pipeline(client: Any) -> Any:
+    """A pipeline of ``client``, not a transaction. A cluster's reads each ``EVALSHA``'s slot
+    from its keys: redis-py's cluster pipeline does not take its client's ``policy_resolver``
+    and asks a server ``COMMAND GETKEYS`` of each script call instead, a round trip each."""
+    pipe = client.pipeline(transaction=False)
+    if is_cluster(client):
+        pipe._policy_resolver = CLUSTER_POLICIES
+    return pipe
 
 
 def is_cluster(client: Any) -> bool:

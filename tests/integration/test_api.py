@@ -474,6 +474,32 @@ def test_single_instance_requeues_a_delivery_while_the_lock_is_held(backend, sin
 # -- settings are read lazily --------------------------------------------------------------------------
 
 
+def test_what_a_dispatch_reads_of_the_settings_follows_a_change_of_them():
+    # Read once per settings (queues, retries, the options of a @job): a change is seen at once.
+    env = scripted.builder(action="ok").build()
+    assert env.queue == "default"
+    before = env.max_retries
+    changed = {**settings.JOBS, "QUEUES": ["only-now", "default"], "DEFAULT_MAX_RETRIES": before + 3}
+    with override_settings(JOBS=changed):
+        env = Jobs.define("tests.testapp.jobs.scripted", {"args": [], "kwargs": {}}).build()
+        assert (env.queue, env.max_retries) == ("only-now", before + 3)
+        assert scripted.builder(action="ok").build().queue == "default"  # its @job names its queue
+        with pytest.raises(UnknownQueue):
+            scripted.using(queue="gone").builder(action="ok").build()
+    with pytest.raises(UnknownQueue):
+        scripted.using(queue="only-now").builder(action="ok").build()
+    assert Jobs.define("tests.testapp.jobs.scripted").build().max_retries == before
+
+
+def test_options_checked_once_are_checked_again_after_a_settings_change():
+    bound = scripted.using(backoff={"base": 2})  # valid over the global policy of these settings
+    bound.builder(action="ok")
+    bogus = {**settings.JOBS, "RETRY_BACKOFF_STRATEGY": "bogus"}
+    with override_settings(JOBS=bogus), pytest.raises(ValueError, match="unknown backoff strategy"):
+        bound.builder(action="ok")
+    bound.builder(action="ok")
+
+
 def test_override_settings_keeps_the_test_transaction():
     first = scripted.dispatch(action="ok")  # builds the default backend instance
     with override_settings(JOBS={**settings.JOBS, "DEFAULT_MAX_RETRIES": 2}):

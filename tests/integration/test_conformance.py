@@ -724,6 +724,21 @@ def test_dispatch_inside_a_transaction_pushes_on_commit_unless_transactional(
     assert runs(backend_case, key) == 1
 
 
+def test_a_tuple_argument_runs_as_the_list_it_arrives_as(
+    queue_backend, backend_case, django_capture_on_commit_callbacks
+):
+    # JSON carries a tuple as a list, and storage may turn 1.0 into 1: the signature covers the
+    # tuple as the worker verifies the list (it was once signed as [1.0,2], verified as [1,2]).
+    key = unique()
+    with django_capture_on_commit_callbacks(using="default", execute=True):
+        job_id = scripted.using(backend=backend_case.name).dispatch(
+            action="ok", key=key, db=backend_case.side_effect_db, pair=(1.0, 2), nested=[{"t": (0.5, (3.0,))}]
+        )
+    if holds_messages(queue_backend):
+        assert drain(queue_backend) == ["acked"]
+    assert runs(backend_case, key) == 1, f"job {job_id} did not run"
+
+
 @pytest.mark.parametrize("alias", ["default", "postgres"])
 @pytest.mark.django_db(databases=["default", "postgres"])
 def test_overriding_jobs_inside_a_transaction_keeps_the_database_usable(alias, request):

@@ -15,13 +15,13 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from django.conf import settings
 from django.test import override_settings
-from hypothesis import HealthCheck, given
+from hypothesis import HealthCheck, example, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from django_jobs import Jobs, signing
 from django_jobs.backends import get_backend
-from django_jobs.envelope import Envelope, new_id
+from django_jobs.envelope import Envelope, dumps_payload, new_id
 from django_jobs.exceptions import BadSignature, InvalidPayload
 
 
@@ -234,6 +234,15 @@ def test_changing_a_signed_field_breaks_the_signature(field, value):
         signing.verify(Envelope.from_bytes(tampered.to_bytes()))
 
 
+def test_a_tuple_signs_as_the_list_the_wire_carries():
+    # A tuple travels as a JSON list, and an integral float may come back as an int.
+    env = full_envelope(payload={"args": [(1.0, 2)], "kwargs": {"t": [(0.5, (3.0,))]}})
+    delivered = Envelope.from_bytes(env.to_bytes())
+    assert delivered.payload == {"args": [[1.0, 2]], "kwargs": {"t": [[0.5, [3.0]]]}}
+    signing.verify(delivered)
+    signing.verify(replace(delivered, payload={"args": [[1, 2]], "kwargs": {"t": [[0.5, [3]]]}}))
+
+
 def test_attempts_and_available_at_are_outside_the_signature():
     env = full_envelope()
     requeued = replace(env, attempts=env.attempts + 1, available_at=env.available_at + timedelta(hours=1))
@@ -383,6 +392,45 @@ def test_any_json_payload_signs_and_verifies_through_the_wire_format(payload, na
     env = Envelope(id="p1", handler="command", payload=payload, queue="default", name=name, priority=priority)
     env.signature = signing.sign(env)
     signing.verify(Envelope.from_bytes(env.to_bytes()))
+
+
+@given(
+    payload=json_values,
+    texts=st.lists(st.text(max_size=40), min_size=5, max_size=5),
+    key=st.none() | st.text(max_size=40),
+    numbers=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=3, max_size=3),
+    timeout=st.none() | st.floats(allow_nan=False, allow_infinity=False),
+    available_at=st.none() | st.datetimes(timezones=st.just(UTC)),
+)
+@example(  # the longest numbers and empty texts: the fixed part alone
+    payload=None,
+    texts=["", "", "", "", ""],
+    key=None,
+    numbers=[-(2**31), 2**31 - 1, 2**31 - 1],
+    timeout=-1.2345678901234567e-308,
+    available_at=datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
+)
+@example(
+    payload=None,
+    texts=["\U0001f600" * 200] * 5,
+    key="\U0001f600" * 200,
+    numbers=[0, 0, 0],
+    timeout=None,
+    available_at=None,
+)
+def test_the_size_bound_of_a_message_without_options_is_never_below_its_size(
+    payload, texts, key, numbers, timeout, available_at
+):
+    # A dispatch encodes the message to measure it only when this bound exceeds the cap.
+    job_id, handler, queue, name, signature = texts
+    priority, max_retries, attempts = numbers
+    env = Envelope(
+        job_id, handler, payload, queue, priority, abs(max_retries), abs(attempts), name, key, timeout, available_at
+    )
+    env.signature = signature
+    bound = env.size_at_most(len(dumps_payload(payload)))
+    assert bound is not None and bound >= len(env.to_bytes())
+    assert replace(env, options={"single_instance": True}).size_at_most(0) is None  # options: unknown
 
 
 # -- signatures survive database storage --

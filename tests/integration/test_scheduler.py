@@ -202,13 +202,13 @@ def test_a_handlers_key_is_dispatched_with_its_payload(settings):
 def test_a_dispatch_that_fails_leaves_no_claim_and_the_tick_runs_next_pass(monkeypatch, caplog):
     """Database backend: the claim and the job commit together, or neither does."""
     made = scheduler(entry(missed="catch_up_once"), entry("other-entry"))
-    original = DatabaseBackend.enqueue_many
+    original = DatabaseBackend.enqueue
 
-    def insert_then_fail(self, envelopes):
-        original(self, envelopes)
+    def insert_then_fail(self, envelope):  # a tick sends one job: enqueue, not enqueue_many
+        original(self, envelope)
         raise DatabaseError("the insert was lost")
 
-    monkeypatch.setattr(DatabaseBackend, "enqueue_many", insert_then_fail)
+    monkeypatch.setattr(DatabaseBackend, "enqueue", insert_then_fail)
     with caplog.at_level(logging.DEBUG, logger="django_jobs.scheduler"):
         assert made.run_pass(T0 + MINUTE) == []
         assert made.run_pass(T0 + MINUTE) == []  # the same tick fails again: logged once

@@ -134,7 +134,7 @@ def test_schedulers_whose_clocks_disagree_dispatch_every_tick_exactly_once(runs)
 # -- a tick left unsent, then its entry disabled or removed ----------------------------------------
 
 
-def refuse(self, envelopes):
+def refuse(self, envelope):
     raise redis.ConnectionError("the broker is down")
 
 
@@ -149,7 +149,7 @@ def test_a_tick_left_unsent_is_never_sent_once_its_entry_is_disabled_or_removed(
     first = Scheduler({hourly.name: hourly}, clock=time.clock(0))
     first.run_pass()
     with monkeypatch.context() as broker_down:
-        broker_down.setattr(RedisBackend, "enqueue_many", refuse)
+        broker_down.setattr(RedisBackend, "enqueue", refuse)  # a tick sends one job
         time.now = tick
         assert first.run_pass() == []  # claimed; the push failed after the commit
     [row] = ScheduleTick.objects.using(PG).filter(schedule_id=hourly.name)

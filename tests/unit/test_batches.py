@@ -128,3 +128,19 @@ def test_a_lease_past_half_its_time_is_requeued_at_once() -> None:
     late.expires_at = timezone.now() + timedelta(seconds=10)
     assert not held.requeue_later(late, failed())
     assert not held._requeues
+
+
+def test_a_failed_run_whose_start_is_not_written_is_requeued_at_once() -> None:
+    """Its process could die before the batch's next write (the next job kills it): its
+    supervisor counts only the job then in hand, so this run would go back uncounted."""
+    heartbeat = RecordingHeartbeat()
+    held = batches(heartbeat)
+    quick = lease("quick")
+    held.started(quick)
+    assert not held.requeue_later(quick, failed())
+    assert not held._requeues
+    held.ended(quick)
+    written = lease("written")
+    held.started(written)
+    held._begun.clear()  # as the heartbeat's write of its start does
+    assert held.requeue_later(written, failed())

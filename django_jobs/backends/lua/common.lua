@@ -20,8 +20,10 @@ local edges_key = KEYS[16]      -- zset (lex): child id NUL parent id, each edge
 -- 2^40: one priority step in a waiting score, above any sequence number.
 local PRIORITY_STEP = 1099511627776
 
-local function ready(id)
-  local prio = tonumber(redis.call('HGET', priorities_key, id) or '0') or 0
+-- Make `id` ready: waiting by its priority (`prio`, else read from the priorities hash), then
+-- FIFO; a blocked worker is woken.
+local function ready(id, prio)
+  prio = prio or tonumber(redis.call('HGET', priorities_key, id) or '0') or 0
   redis.call('ZADD', waiting_key, -prio * PRIORITY_STEP + redis.call('INCR', sequence_key), id)
   redis.call('LPUSH', notify_key, 1)
   redis.call('LTRIM', notify_key, 0, 99)
@@ -46,12 +48,23 @@ local function fail(id, now, err)
   redis.call('HDEL', aborts_key, id)
 end
 
-local function requeue(id, due, now)
+local function requeue(id, due, now, prio)
   if due > now then
     redis.call('ZADD', delayed_key, due, id)
   else
-    ready(id)
+    ready(id, prio)
   end
+end
+
+-- Store a message and make it ready (or delayed until `due`, ms). A re-dispatched id leaves
+-- the failed set, and an abort asked of an earlier run of it no longer applies.
+local function store(id, body, priority, due, now)
+  redis.call('HSET', bodies_key, id, body)
+  redis.call('HSET', priorities_key, id, priority)
+  redis.call('ZREM', failed_key, id)
+  redis.call('HDEL', errors_key, id)
+  redis.call('HDEL', aborts_key, id)
+  requeue(id, due, now, tonumber(priority))
 end
 
 -- Requeue the leased message `id` (fenced on `owner`) with its new body, due at `due`: 1; 0

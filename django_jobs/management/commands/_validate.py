@@ -102,6 +102,8 @@ def migrated(name: str) -> None:
     if database is not None and issubclass(engine, database.DatabaseBackend):
         aliases.add((config.get("OPTIONS") or {}).get("DATABASE", DEFAULT_DB_ALIAS))
     for alias in sorted(aliases):
+        if alias not in connections.settings:
+            raise CommandError(f"backend {name!r} uses database {alias!r}, which is not in DATABASES")
         try:
             applied = {
                 migration

@@ -1,0 +1,170 @@
+"""What a dispatch sends to its backend's server: round trips and statements, never time.
+
+On Redis one dispatch is one ``EVALSHA`` in one round trip (a pipeline would ask ``SCRIPT
+EXISTS`` first), and a bulk one script call per 1,000 jobs of a queue, in one round trip; on a
+Redis Cluster too (a queue is one slot: one primary gets them all). On the
+database one dispatch is one INSERT, and a bulk of 2,500 one INSERT per 1,000 rows on PostgreSQL
+(one ``executemany`` of the one-row INSERT elsewhere, which the driver batches).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import redis.connection
+from django.db import connections
+from django.test.utils import CaptureQueriesContext
+
+from django_jobs import Jobs
+from django_jobs.backends import redis_connection
+from django_jobs.backends.base import QueueBackend
+from django_jobs.backends.redis import RedisBackend
+from django_jobs.models import Job
+from tests.backend_params import BACKEND_PARAMS, PG_SERVER_SIDE_BINDING, BackendCase, backend_of, ready_case
+from tests.testapp.jobs import scripted
+
+DATABASES = [*(param for param in BACKEND_PARAMS if str(param.id).startswith("database-")), PG_SERVER_SIDE_BINDING]
+REDIS = [param for param in BACKEND_PARAMS if param.id in ("redis", "redis-cluster")]
+BULK = 2500
+
+
+@pytest.fixture(params=DATABASES)
+def database_backend(request: pytest.FixtureRequest) -> Iterator[tuple[BackendCase, QueueBackend]]:
+    case = ready_case(request)
+    with backend_of(case) as backend:
+        yield case, backend
+
+
+@pytest.fixture(params=REDIS)
+def redis_backend_case(request: pytest.FixtureRequest) -> Iterator[tuple[BackendCase, RedisBackend]]:
+    case = ready_case(request)
+    with backend_of(case) as backend:
+        assert isinstance(backend, RedisBackend)
+        yield case, backend
+
+
+def dispatch(case: BackendCase, **options: Any) -> str:
+    return scripted.using(backend=case.name, **options).dispatch(action="ok", key=None, db=case.side_effect_db)
+
+
+def bulk(case: BackendCase, count: int) -> list[str]:
+    builders = [scripted.builder(action="ok", key=f"k{index}", db=case.side_effect_db) for index in range(count)]
+    return Jobs.bulk(builders, backend=case.name)
+
+
+# -- the database: statements --
+
+
+def test_a_dispatch_is_one_insert(database_backend):
+    case, backend = database_backend
+    dispatch(case)  # the first one builds the statement
+    with CaptureQueriesContext(connections[backend.alias]) as queries:
+        job_id = dispatch(case, priority=3)
+    assert [query["sql"].split()[:2] for query in queries.captured_queries] == [["INSERT", "INTO"]]
+    row = Job.objects.using(backend.alias).get(pk=job_id)
+    assert (row.status, row.priority, row.attempts, row.owner_token, row.last_error, row.has_dependents) == (
+        "pending",
+        3,
+        0,
+        None,
+        "",
+        False,
+    )
+
+
+def test_a_bulk_of_2500_is_one_insert_per_1000_rows(database_backend):
+    case, backend = database_backend
+    connection = connections[backend.alias]
+    with CaptureQueriesContext(connection) as queries:
+        ids = bulk(case, BULK)
+    # (Outside the test's transaction, as with server-side binding, the bulk's own one shows.)
+    statements = [query["sql"] for query in queries.captured_queries if query["sql"] not in ("BEGIN", "COMMIT")]
+    assert all(sql.split()[:2] == ["INSERT", "INTO"] or " times: INSERT INTO" in sql for sql in statements)
+    if connection.vendor == "postgresql":
+        assert len(statements) == 3  # 1,000 + 1,000 + 500 rows
+    else:
+        assert len(statements) == 1 and statements[0].startswith(f"{BULK} times: ")  # one executemany
+    stored = Job.objects.using(backend.alias).filter(pk__in=ids)
+    assert stored.count() == BULK
+    assert set(stored.values_list("status", "attempts", "has_dependents").distinct()) == {("pending", 0, False)}
+
+
+# -- Redis: round trips --
+
+
+def _names(packed: bytes) -> list[str]:
+    """The names of the commands in ``packed`` (RESP arrays of bulk strings), in order;
+    ``SCRIPT`` with its subcommand."""
+    names, at = [], 0
+    while at < len(packed):
+        end = packed.index(b"\r\n", at)
+        count, at = int(packed[at + 1 : end]), end + 2
+        words = []
+        for _ in range(count):
+            end = packed.index(b"\r\n", at)
+            size, at = int(packed[at + 1 : end]), end + 2
+            words.append(packed[at : at + size])
+            at += size + 2
+        name = words[0].decode().upper()
+        names.append(f"{name} {words[1].decode().upper()}" if name == "SCRIPT" else name)
+    return names
+
+
+@contextmanager
+def round_trips(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[str]]]:
+    """What the Redis client sends while it is open: one list of command names per send (a
+    round trip: a pipeline sends all its commands at once)."""
+    sent: list[list[str]] = []
+    original = redis.connection.AbstractConnection.send_packed_command
+
+    def spy(self: Any, command: Any, check_health: bool = True) -> None:
+        packed = command if isinstance(command, bytes) else b"".join(bytes(chunk) for chunk in command)
+        sent.append(_names(packed))
+        original(self, command, check_health)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(redis.connection.AbstractConnection, "send_packed_command", spy)
+        yield sent
+
+
+def test_a_redis_dispatch_is_one_evalsha(redis_backend_case, monkeypatch, django_capture_on_commit_callbacks):
+    case, backend = redis_backend_case
+    with django_capture_on_commit_callbacks(execute=True):
+        dispatch(case)  # connects
+    with round_trips(monkeypatch) as sent, django_capture_on_commit_callbacks(execute=True):
+        job_id = dispatch(case, priority=2)
+    assert sent == [["EVALSHA"]]
+    assert backend.peek(job_id) is not None
+
+
+def test_a_redis_dispatch_loads_a_script_the_server_lost_then_sends_it_again(
+    redis_backend_case, monkeypatch, django_capture_on_commit_callbacks
+):
+    case, backend = redis_backend_case
+    for server in redis_connection.servers(backend.client):
+        server.ping()  # connects (to every primary of a cluster), and registers the scripts
+    # A script no server holds yet, as after a restart: its source differs by a comment.
+    lost = backend.client.register_script(f"{backend._scripts['enqueue'].script}\n-- {uuid.uuid4().hex}")
+    monkeypatch.setitem(backend._scripts, "enqueue", lost)
+    with round_trips(monkeypatch) as sent, django_capture_on_commit_callbacks(execute=True):
+        job_id = dispatch(case)
+    loads = [["SCRIPT LOAD"]] * len(redis_connection.servers(backend.client))  # every primary of a cluster
+    assert sent == [["EVALSHA"], *loads, ["EVALSHA"]]
+    assert backend.peek(job_id) is not None
+
+
+def test_a_redis_bulk_is_one_round_trip_of_one_script_call_per_1000_jobs(
+    redis_backend_case, monkeypatch, django_capture_on_commit_callbacks
+):
+    case, backend = redis_backend_case
+    with django_capture_on_commit_callbacks(execute=True):
+        bulk(case, 2)  # connects, and the server loads the script
+    with round_trips(monkeypatch) as sent, django_capture_on_commit_callbacks(execute=True):
+        ids = bulk(case, BULK)
+    assert sent == [["EVALSHA"] * 3]  # 1,000 + 1,000 + 500 jobs, no SCRIPT EXISTS
+    assert backend.size("default") == BULK + 2
+    assert all(backend.peek(job_id) is not None for job_id in ids[:: BULK // 10])
