@@ -5,7 +5,7 @@ backend without dependencies), and workers frozen past their lease mid-run with 
 (``stall``), and the Redis primary failed over under running workers (``failover``, on
 ``--backend sentinel``), against real ``jobs_work`` processes on one backend. Prints JSON on stdout.
 
-    python bench/chaos_battery.py --backend postgres|redis|sentinel|beanstalk \\
+    python bench/chaos_battery.py --backend postgres|redis|redis-cluster|sentinel|beanstalk \\
         --scenario crash|poison|tamper|shutdown|soak|dbrestart|flows|stall|failover|all[,...] [--jobs N] [--seconds S] [--short]
 
 What it sets up (and tears down):
@@ -16,8 +16,11 @@ What it sets up (and tears down):
   uses the server of ``--pg-host/--pg-port/--pg-user`` instead (a fresh database, dropped at the
   end) and never restarts it;
 - redis: a PRIVATE ``redis-server --appendonly yes --appendfsync everysec`` on a free loopback
-  port, in a temp dir; sentinel: a PRIVATE Sentinel group (a primary, a replica, three sentinels:
-  bench/chaos/servers.py ``PrivateSentinelGroup``) that the ``failover`` scenario fails over;
+  port, in a temp dir; redis-cluster: a PRIVATE Redis Cluster of three primaries with a replica
+  each (bench/chaos/servers.py ``PrivateRedisCluster``; a crash restart kills the primary of the
+  ``default`` queue and its replica takes over); sentinel: a PRIVATE Sentinel group (a primary,
+  a replica, three sentinels: bench/chaos/servers.py ``PrivateSentinelGroup``) that the
+  ``failover`` scenario fails over;
   beanstalk: a PRIVATE ``beanstalkd -b <tmpdir>`` on a free port;
 - worker processes: ``python -m django jobs_work default other --backend chaos`` with
   DJANGO_SETTINGS_MODULE=bench.chaos.settings, each in its own process group.
@@ -57,7 +60,9 @@ ORDER = ("crash", "poison", "tamper", "shutdown", "soak", "dbrestart", "flows", 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", required=True, choices=("postgres", "redis", "sentinel", "beanstalk"))
+    parser.add_argument(
+        "--backend", required=True, choices=("postgres", "redis", "redis-cluster", "sentinel", "beanstalk")
+    )
     parser.add_argument(
         "--scenario",
         default="all",
@@ -138,8 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         PrivatePgBouncer,
         PrivatePostgres,
         PrivateRedis,
+        PrivateRedisCluster,
         PrivateSentinelGroup,
     )
+
+    # redis-cluster and sentinel: the redis engine on a private cluster (its crash restarts are
+    # failovers) or behind a private Sentinel group.
+    kind = "redis" if args.backend in ("redis-cluster", "sentinel") else args.backend
 
     database: PrivatePostgres | None = None
     if args.pg_external:
@@ -148,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         database = PrivatePostgres()
         pg = Postgres(args.db_name, database.host, str(database.port), database.user)
     env = {
-        "CHAOS_BACKEND": args.backend,
+        "CHAOS_BACKEND": kind,
         "CHAOS_PG_NAME": args.db_name,
         "CHAOS_PG_HOST": pg.host,
         "CHAOS_PG_PORT": str(pg.port),
@@ -193,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
             report["redis_version"] = _version(["redis-server", "--version"])
             if args.backend == "sentinel":
                 report["min_replicas_to_write"] = args.min_replicas
+        elif args.backend == "redis-cluster":
+            server = PrivateRedisCluster(workdir / "cluster")
+            server.start()
+            env["CHAOS_REDIS_CLUSTER_NODES"] = ",".join(f"{host}:{port}" for host, port in server.startup_nodes)
+            report["redis_version"] = _version(["redis-server", "--version"])
         elif args.backend == "beanstalk":
             server = PrivateBeanstalkd(workdir)
             server.start()
@@ -222,11 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         report["django"] = django.get_version()
         report["django_jobs_commit"] = _code_version()
         ctx = Context(
-            kind="redis" if args.backend == "sentinel" else args.backend,
+            kind=kind,
             short=args.short,
             workdir=workdir,
             env=worker_env,
-            probe=Probe("redis" if args.backend == "sentinel" else args.backend, server),
+            probe=Probe(kind, server),
             server=server if server is not None else database,
             database=database,
             outage=args.outage,

@@ -14,6 +14,10 @@ BENCH_PG_HOST / BENCH_PG_PORT / BENCH_PG_USER / BENCH_PG_PASSWORD
 BENCH_CONN_MAX_AGE Django's CONN_MAX_AGE: ``0`` (Django's default: a worker that
                    calls close_old_connections() reconnects after every job) or
                    ``none`` (persistent connections). Default ``0``.
+BENCH_REDIS_URL    a django-jobs backend ``redis`` on that Redis (bench/topology.py).
+BENCH_REDIS_CLUSTER_URL  a backend ``redis_cluster`` on the Redis Cluster of that node.
+BENCH_REDIS_PREFIX their key prefix (default ``benchtopo``).
+BENCH_QUEUES       the queues, comma-separated (default ``default``).
 
 Both systems run with their defaults otherwise (no tuning): DEBUG off, the stock
 SQLite journal and transaction modes.
@@ -65,6 +69,13 @@ JOBS = {
     "QUEUES": ["default"],
     "IMPORTS": ["benchjobs"],
 }
+JOBS["QUEUES"] = os.environ.get("BENCH_QUEUES", "default").split(",")
+_redis = {"PREFIX": os.environ.get("BENCH_REDIS_PREFIX", "benchtopo")}
+if os.environ.get("BENCH_REDIS_URL"):
+    JOBS["BACKENDS"]["redis"] = {"ENGINE": "redis", "OPTIONS": {**_redis, "URL": os.environ["BENCH_REDIS_URL"]}}
+if os.environ.get("BENCH_REDIS_CLUSTER_URL"):
+    _cluster = {**_redis, "CLUSTER": True, "URL": os.environ["BENCH_REDIS_CLUSTER_URL"]}
+    JOBS["BACKENDS"]["redis_cluster"] = {"ENGINE": "redis", "OPTIONS": _cluster}
 
 # django-tasks-db: the ORM backend, as its README configures it.
 if SYSTEM == "tasksdb":

@@ -115,7 +115,7 @@ def _jump_redis(backend: RedisBackend, queues: list[str]) -> bool:
     if not scores:
         return False
     shift = min(scores) - now_ms
-    pipe = client.pipeline(transaction=True)
+    pipe = client.pipeline(transaction=False)  # queues may be in different cluster slots
     for q, members in delayed.items():
         if members:
             pipe.zadd(backend.keys(q).delayed, {job_id: score - shift for job_id, score in members}, xx=True)

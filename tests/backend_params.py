@@ -34,7 +34,6 @@ from django_jobs.backends import get_backend
 from django_jobs.backends.base import Lease, QueueBackend
 from django_jobs.models import Job
 from tests.fake_servicebus import LIVE_ENV, SDK_INSTALLED, expire_lock
-from tests.settings import SENTINEL_BACKEND
 
 # Every conformance test may touch both databases: the PG entry keeps its queue in `postgres`,
 # and the worker tests count side effects and look up failed rows in either alias. A test may
@@ -145,9 +144,18 @@ BACKEND_PARAMS = [
     PG_POOLED,
     pytest.param(BackendCase("sync"), id="sync", marks=[DB]),
     pytest.param(BackendCase("redis", fixtures=("redis_up",), expire=_redis_expire), id="redis", marks=[DB]),
+    pytest.param(
+        BackendCase(
+            "redis_cluster", fixtures=("redis_cluster_up",), expire=_redis_expire, config=settings.REDIS_CLUSTER
+        ),
+        id="redis-cluster",
+        marks=[DB],
+    ),
     # The same backend through the Sentinel group of scripts/services.d/redis-sentinel.sh.
     pytest.param(
-        BackendCase("redis_sentinel", fixtures=("sentinel_up",), expire=_redis_expire, config=SENTINEL_BACKEND),
+        BackendCase(
+            "redis_sentinel", fixtures=("sentinel_up",), expire=_redis_expire, config=settings.SENTINEL_BACKEND
+        ),
         id="redis-sentinel",
         marks=[DB],
     ),

@@ -142,6 +142,38 @@ def redis_up():
     client.close()
 
 
+def _delete_prefixed(client: Any, prefix: str) -> None:
+    stale = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    if stale:
+        client.delete(*stale)
+
+
+def redis_cluster_reachable() -> tuple[bool, str]:
+    import redis
+    from django.conf import settings
+
+    try:
+        client = redis.RedisCluster.from_url(settings.REDIS_CLUSTER_URL, socket_connect_timeout=3)
+    except Exception as exc:  # noqa: BLE001
+        return False, f"{settings.REDIS_CLUSTER_URL}: {exc}"
+    client.close()
+    return True, ""
+
+
+@pytest.fixture
+def redis_cluster_up():
+    """The Redis Cluster is reachable (every slot served), and this session's keys are gone
+    from every primary before the test starts."""
+    import redis
+    from django.conf import settings
+
+    require_service("Redis Cluster", *redis_cluster_reachable())
+    client = redis.RedisCluster.from_url(settings.REDIS_CLUSTER_URL)
+    _delete_prefixed(client, settings.REDIS_PREFIX)
+    yield client
+    client.close()
+
+
 @pytest.fixture
 def redis_backend(redis_up):
     """The configured ``redis`` backend; this session's keys are deleted after the test."""
@@ -151,9 +183,51 @@ def redis_backend(redis_up):
     instance = get_backend("redis")
     assert isinstance(instance, RedisBackend)
     yield instance
-    left = list(redis_up.scan_iter(match=f"{instance.prefix}:*", count=1000))
-    if left:
-        redis_up.delete(*left)
+    _delete_prefixed(redis_up, instance.prefix)
+
+
+@pytest.fixture
+def redis_cluster_in_settings(redis_cluster_up, monkeypatch):
+    """The backend ``redis_cluster`` in ``JOBS["BACKENDS"]``, here and in worker subprocesses
+    (tests/settings.py adds it when ``JOBS_TEST_REDIS_CLUSTER`` is set)."""
+    from django.conf import settings
+
+    with _backend_in_settings(monkeypatch, "JOBS_TEST_REDIS_CLUSTER", "redis_cluster", settings.REDIS_CLUSTER):
+        yield redis_cluster_up
+
+
+@contextlib.contextmanager
+def _backend_in_settings(monkeypatch: Any, variable: str, name: str, config: dict[str, Any]) -> Iterator[None]:
+    """Backend ``name`` in ``JOBS["BACKENDS"]``, here and in the worker subprocesses the test
+    starts (tests/settings.py adds it when ``variable`` is set in the environment they copy)."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    monkeypatch.setenv(variable, "1")
+    backends = {**settings.JOBS["BACKENDS"], name: config}
+    with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends}):
+        yield
+
+
+@pytest.fixture(params=[pytest.param(False, id="single"), pytest.param(True, id="cluster")])
+def redis_topology_backend(request):
+    """The backend named ``redis`` on the single Redis (``redis_backend``), then, under the same
+    name, on the Redis Cluster: tests written for one server run unchanged on both."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    from django_jobs.backends import get_backend
+
+    if not request.param:
+        yield request.getfixturevalue("redis_backend")
+        return
+    client = request.getfixturevalue("redis_cluster_up")
+    backends = {**settings.JOBS["BACKENDS"], "redis": settings.REDIS_CLUSTER}
+    with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends}):
+        instance = get_backend("redis")
+        yield instance
+        instance.close()
+    _delete_prefixed(client, settings.REDIS_PREFIX)
 
 
 def _sentinel_client() -> Any:
@@ -182,35 +256,23 @@ def sentinel_up():
     client.close()
 
 
-def _delete_prefixed(client: Any, prefix: str) -> None:
-    stale = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-    if stale:
-        client.delete(*stale)
-
-
 @pytest.fixture
 def sentinel_backend(sentinel_up, monkeypatch):
     """The ``redis_sentinel`` backend in JOBS["BACKENDS"], here and in the worker subprocesses
     the test starts (``JOBS_TEST_SENTINEL=1`` in the environment they copy)."""
-    yield from _backend_in_settings(monkeypatch, "redis_sentinel", "SENTINEL_BACKEND", "JOBS_TEST_SENTINEL")
+    from django.conf import settings
+
+    with _backend_in_settings(monkeypatch, "JOBS_TEST_SENTINEL", "redis_sentinel", settings.SENTINEL_BACKEND):
+        yield
 
 
 @pytest.fixture
 def pgbouncer_backend(pgbouncer_up, monkeypatch):
     """The ``pgbouncer`` backend (the database backend through PgBouncer) in JOBS["BACKENDS"],
     here and in the worker subprocesses the test starts (``JOBS_TEST_PGBOUNCER=1``)."""
-    yield from _backend_in_settings(monkeypatch, "pgbouncer", "PGBOUNCER_BACKEND", "JOBS_TEST_PGBOUNCER")
-
-
-def _backend_in_settings(monkeypatch, name: str, setting: str, variable: str) -> Iterator[None]:
-    """Backend ``name`` (tests/settings.py's ``setting``) added to JOBS["BACKENDS"] while the
-    test runs, and ``variable=1`` in the environment its worker subprocesses copy."""
     from django.conf import settings
-    from django.test import override_settings
 
-    monkeypatch.setenv(variable, "1")
-    backends = {**settings.JOBS["BACKENDS"], name: getattr(settings, setting)}
-    with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends}):
+    with _backend_in_settings(monkeypatch, "JOBS_TEST_PGBOUNCER", "pgbouncer", settings.PGBOUNCER_BACKEND):
         yield
 
 

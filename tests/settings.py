@@ -119,6 +119,13 @@ CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"
 # inherit through the environment, so concurrent runs never see each other's keys.
 REDIS_URL = os.environ.get("JOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
 REDIS_PREFIX = os.environ.setdefault("JOBS_TEST_REDIS_PREFIX", f"djt{os.getpid()}")
+# A Redis Cluster (scripts/services.d/redis-cluster.sh starts 3 primaries on 7000-7002): the
+# backend "redis_cluster" is added where a test uses it (override_settings), and to a worker
+# subprocess's settings by JOBS_TEST_REDIS_CLUSTER=1, so commands that visit every backend do
+# not reach it otherwise.
+_cluster_port = os.environ.get("JOBS_TEST_REDIS_CLUSTER_PORT", "7000")  # as scripts/services reads it
+REDIS_CLUSTER_URL = os.environ.get("JOBS_TEST_REDIS_CLUSTER_URL", f"redis://127.0.0.1:{_cluster_port}/0")
+REDIS_CLUSTER = {"ENGINE": "redis", "OPTIONS": {"CLUSTER": True, "URL": REDIS_CLUSTER_URL, "PREFIX": REDIS_PREFIX}}
 # beanstalkd (scripts/services starts it; the beanstalk_up fixture too): tubes named per session.
 BEANSTALK_HOST, _, BEANSTALK_PORT = os.environ.get("JOBS_TEST_BEANSTALK", "127.0.0.1:11300").partition(":")
 BEANSTALK_PREFIX = os.environ.setdefault("JOBS_TEST_BEANSTALK_PREFIX", f"djt{os.getpid()}")
@@ -167,6 +174,8 @@ TASKS = {
     alias: {"BACKEND": "django_jobs.tasks.JobsTaskBackend", "QUEUES": [], "OPTIONS": {"backend": alias}}
     for alias in ("default", "pg", "redis")
 }
+if os.environ.get("JOBS_TEST_REDIS_CLUSTER"):
+    JOBS["BACKENDS"]["redis_cluster"] = REDIS_CLUSTER
 if django.VERSION < (6, 0):
     INSTALLED_APPS.append("django_tasks")  # Django 5.2: the backport of django.tasks
 

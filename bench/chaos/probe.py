@@ -80,15 +80,17 @@ class Probe:
     def reset(self) -> None:
         sql("TRUNCATE django_jobs_job, chaos_run, chaos_effect")
         if self.kind == "redis":
-            retrying(lambda: self._redis().flushdb())
+            retrying(lambda: self.redis().flushdb())
         elif self.kind == "beanstalk":
             retrying(self._empty_tubes)
         self.backend.close()
 
-    def _redis(self) -> Any:
+    def redis(self) -> Any:
+        """A client of the backend's server, its Sentinel-managed primary, or every primary of
+        its cluster (a cluster's flushdb empties each), from the backend's own OPTIONS."""
         from django_jobs.backends import redis_connection
 
-        return redis_connection.connect("probe", {"URL": self.server.url}, probe=True)
+        return redis_connection.connect("probe", self.backend.options, probe=True)
 
     def _tube(self, queue: str) -> Any:
         import greenstalk

@@ -696,11 +696,9 @@ return 1
 
 
 def _write_redis(ctx: Context, good: list[Envelope], bad: list[tuple[str, str, Any]]) -> None:
-    import redis
-
     backend = ctx.probe.backend
-    client = redis.Redis.from_url(ctx.server.url)
-    push = client.register_script(RAW_PUSH)
+    client = ctx.probe.redis()
+    push = client.script_load(RAW_PUSH)  # on every primary of a cluster
     keys = {q: backend.keys(q) for q in QUEUES}
     for start in range(0, len(good), 50):
         backend.enqueue_many(good[start : start + 50])
@@ -709,7 +707,8 @@ def _write_redis(ctx: Context, good: list[Envelope], bad: list[tuple[str, str, A
             k = keys[queue]
             raw = body if isinstance(body, bytes) else body.to_bytes()
             job_id = new_id() if kind == "garbage" else body.id
-            push(keys=[k[0], k[4], k[6], k[7]], args=[job_id, raw], client=pipe)
+            # By its SHA: a cluster's pipeline takes no script object (nor evalsha by name).
+            pipe.execute_command("EVALSHA", push, 4, k[0], k[4], k[6], k[7], job_id, raw)
         pipe.execute()
     client.close()
 

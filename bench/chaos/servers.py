@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,6 +43,21 @@ def sigkill(popen: subprocess.Popen[bytes] | None) -> None:
     if popen is not None and popen.poll() is None:
         os.kill(popen.pid, signal.SIGKILL)
         popen.wait(10)
+
+
+def free_cluster_port() -> int:
+    """A free port for a Redis Cluster node: at most 55535, and its bus port (10000 higher)
+    free too."""
+    for _ in range(200):
+        port = random.randint(20000, 55535)
+        try:
+            for candidate in (port, port + 10000):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
 
 
 def _at_exit(callback: Any) -> None:
@@ -446,12 +462,13 @@ class PrivateRedis:
     last second)."""
 
     def __init__(self, directory: Path | None = None, args: Sequence[str] = ()) -> None:
-        """``args``: more redis-server options (``--replicaof host port``)."""
-        self.port = free_port()
+        """``args``: more redis-server options (``--replicaof host port``, a cluster node's)."""
+        self.port = free_cluster_port() if "--cluster-enabled" in args else free_port()
         self.host = "127.0.0.1"
         self.args = list(args)
         self._own_directory = directory is None
         self.directory = Path(tempfile.mkdtemp(prefix="redisprivate-")) if directory is None else directory
+        self.directory.mkdir(parents=True, exist_ok=True)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.popen: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -518,6 +535,114 @@ class PrivateRedis:
     def cleanup(self) -> None:
         """Kill this server (only the process this object started); remove the temp dir if
         this object created it. Idempotent."""
+        self.kill()
+        if self._own_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# A cluster node: it gives up on a silent peer after 1 s, and a replica takes over whatever its
+# link's age (a primary killed a moment after the last write still fails over).
+CLUSTER_NODE = ("--cluster-enabled", "yes", "--cluster-node-timeout", "1000", "--cluster-replica-validity-factor", "0")
+
+
+class PrivateRedisCluster:
+    """A Redis Cluster of three primaries with a replica each: six :class:`PrivateRedis` nodes
+    (AOF fsynced every second) created with ``redis-cli --cluster create``. ``restart`` is a
+    primary's crash: the primary serving the ``default`` queue is SIGKILLed, its replica takes
+    over (the cluster serves every slot again), then the killed node starts again and rejoins
+    as the new primary's replica. Writes the old primary acknowledged but had not replicated yet
+    are lost (asynchronous replication)."""
+
+    SLOT_KEY = "{default}"
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self._own_directory = directory is None
+        self.directory = Path(tempfile.mkdtemp(prefix="redisclusterprivate-")) if directory is None else directory
+        self.nodes = [PrivateRedis(self.directory / f"node{i}", CLUSTER_NODE) for i in range(6)]
+        self.host = "127.0.0.1"
+        self.startup_nodes = [(node.host, node.port) for node in self.nodes]
+        self.url = self.nodes[0].url
+        self.failovers = 0
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        addresses = [f"{host}:{port}" for host, port in self.startup_nodes]
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        wait_for(self.healthy, 60, "the private Redis Cluster to serve every slot, each primary with its replica")
+
+    def client(self) -> Any:
+        import redis
+
+        nodes = [redis.cluster.ClusterNode(host, port) for host, port in self.startup_nodes]
+        return redis.RedisCluster(startup_nodes=nodes, socket_connect_timeout=2)
+
+    def _info(self, node: PrivateRedis, section: str) -> dict[str, Any]:
+        """``CLUSTER INFO`` (``section`` "cluster") or an ``INFO`` section of one node."""
+        import redis
+
+        with redis.Redis(host=node.host, port=node.port, socket_connect_timeout=1, socket_timeout=2) as client:
+            reply = client.execute_command("CLUSTER INFO") if section == "cluster" else client.info(section)
+        return {str(k): str(v.decode() if isinstance(v, bytes) else v) for k, v in dict(reply).items()}
+
+    def healthy(self) -> bool:
+        """Every node up and agreeing that every slot is served; three replicas in sync."""
+        import redis
+
+        try:
+            if any(self._info(node, "cluster").get("cluster_state") != "ok" for node in self.nodes):
+                return False
+            roles = [self._info(node, "replication") for node in self.nodes]
+        except redis.exceptions.RedisError:
+            return False
+        synced = [r for r in roles if r.get("role") == "slave" and r.get("master_link_status") == "up"]
+        return len(synced) == 3
+
+    def primary_of(self, key: str) -> PrivateRedis:
+        """The node serving ``key``'s slot now (asked of the cluster)."""
+        client = self.client()
+        try:
+            port = client.get_node_from_key(key).port
+        finally:
+            client.close()
+        return next(node for node in self.nodes if node.port == port)
+
+    def restart(self, outage: float = 1.0) -> tuple[float, float]:
+        """Once the cluster is whole (an earlier victim rejoined and synced), SIGKILL the primary
+        of the ``default`` queue's slot; ``up`` is when another node serves that slot (its
+        replica, promoted), at least ``outage`` seconds later. The killed node is started again
+        and rejoins as a replica meanwhile. Returns (down, up)."""
+        wait_for(self.healthy, 60, "every primary to have a replica in sync")
+        victim = self.primary_of(self.SLOT_KEY)
+        down = time.time()
+        victim.kill()
+        time.sleep(outage)
+        wait_for(lambda: self._served_by_another(victim), 60, "a replica to take over the killed primary's slots")
+        up = time.time()
+        self.failovers += 1
+        victim.start()
+        return down, up
+
+    def _served_by_another(self, victim: PrivateRedis) -> bool:
+        import redis
+
+        try:
+            return self.primary_of(self.SLOT_KEY) is not victim
+        except (redis.exceptions.RedisError, StopIteration):
+            return False
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            node.kill()
+
+    def cleanup(self) -> None:
+        """Kill its nodes (only the processes this object started); remove the temp dir if this
+        object created it. Idempotent."""
         self.kill()
         if self._own_directory:
             shutil.rmtree(self.directory, ignore_errors=True)

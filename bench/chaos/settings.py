@@ -1,11 +1,12 @@
 """Django settings for the chaos battery (bench/chaos_battery.py). Everything comes from CHAOS_* variables,
 which the driver sets for itself and passes to every ``jobs_work`` subprocess:
 
-CHAOS_BACKEND        postgres | redis | sentinel | beanstalk: the engine of the one JOBS backend, ``chaos``
+CHAOS_BACKEND        postgres | redis | beanstalk: the engine of the one JOBS backend, ``chaos``
 CHAOS_PG_NAME        the dedicated PostgreSQL database (created and dropped by the driver)
 CHAOS_PG_HOST/PORT/USER/PASSWORD   its server (default 127.0.0.1:5432, user postgres)
 CHAOS_REDIS_URL      the PRIVATE redis-server the driver started (redis backend), or the
                      redis+sentinel:// URL of its PRIVATE Sentinel group (sentinel backend)
+CHAOS_REDIS_CLUSTER_NODES  host:port,... of the PRIVATE Redis Cluster's nodes (redis backend, instead)
 CHAOS_BEANSTALK      host:port of the PRIVATE beanstalkd the driver started (beanstalk backend)
 CHAOS_PREFIX         key / tube prefix
 CHAOS_LEASE_TIMEOUT  LEASE_TIMEOUT in seconds (small, so stalls and crashes are recovered fast)
@@ -44,16 +45,20 @@ DATABASES = {
 PREFIX = os.environ.get("CHAOS_PREFIX", "chaos")
 if BACKEND == "postgres":
     ENGINE = {"ENGINE": "database", "OPTIONS": {"DATABASE": "default"}}
-elif BACKEND in ("redis", "sentinel"):  # sentinel: CHAOS_REDIS_URL is a redis+sentinel:// URL
+elif BACKEND == "redis":  # CHAOS_REDIS_URL may be a redis+sentinel:// URL
     ENGINE = {
         "ENGINE": "redis",
         "OPTIONS": {"URL": os.environ.get("CHAOS_REDIS_URL", "redis://127.0.0.1:6379/0"), "PREFIX": PREFIX},
     }
+    if os.environ.get("CHAOS_REDIS_CLUSTER_NODES"):
+        _nodes = [node.rpartition(":") for node in os.environ["CHAOS_REDIS_CLUSTER_NODES"].split(",")]
+        # Every node a startup node: a worker reconnecting after a primary's crash finds one alive.
+        ENGINE["OPTIONS"] = {"CLUSTER": True, "STARTUP_NODES": [(h, int(p)) for h, _, p in _nodes], "PREFIX": PREFIX}
 elif BACKEND == "beanstalk":
     _host, _, _port = os.environ.get("CHAOS_BEANSTALK", "127.0.0.1:11300").partition(":")
     ENGINE = {"ENGINE": "beanstalk", "OPTIONS": {"HOST": _host, "PORT": int(_port), "PREFIX": PREFIX}}
 else:
-    raise RuntimeError(f"CHAOS_BACKEND must be postgres, redis, sentinel or beanstalk, not {BACKEND!r}")
+    raise RuntimeError(f"CHAOS_BACKEND must be postgres, redis or beanstalk, not {BACKEND!r}")
 
 JOBS = {
     "DEFAULT_BACKEND": "chaos",

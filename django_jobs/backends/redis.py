@@ -96,6 +96,9 @@ PIPELINE_CALLS = 10
 STORE_BYTES = 8 * 1024 * 1024
 # Joins the ids of an edge in a member of the dependents and edges zsets (no job id holds it).
 SEP = "\0"
+# Seconds a worker whose queues span several cluster slots blocks on one slot's notify lists
+# before it looks at the next slot's: its wake-up latency is up to (slots - 1) times this.
+CLUSTER_WAIT_SLICE = 0.05
 # A settle script's flag for a parent whose outcome entered the outbox: its dependents wait for
 # a drain (``reap.lua`` says 3 for its failed parents, as its 2 means something else).
 HAS_DEPENDENTS = 2
@@ -156,14 +159,21 @@ def _from_ms(ms: float) -> datetime:
 
 class RedisBackend(LimitedBackend):
     """Options: ``URL`` (``redis://...``, or ``redis+sentinel://...``), ``CACHE`` (a django-redis
-    cache alias whose pool is reused) or ``SENTINELS`` and ``SERVICE`` (``redis_connection.py``),
-    ``PREFIX`` (default ``django_jobs``)."""
+    cache alias whose pool is reused), ``SENTINELS`` and ``SERVICE``, or ``CLUSTER`` with ``URL``
+    or ``STARTUP_NODES`` (``redis_connection.py``); ``PREFIX`` (default ``django_jobs``)."""
 
     limits: redis_limits.RedisLimits
 
-    # ReadOnlyError: a primary demoted by a failover (MasterNotFoundError, while the sentinels
-    # have no primary, is a ConnectionError).
-    unavailable_errors = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError, OSError)
+    # ReadOnlyError: a primary demoted by a Sentinel failover (MasterNotFoundError, while the
+    # sentinels have no primary, is a ConnectionError). ClusterError: a cluster whose slots are
+    # not all served (CLUSTERDOWN, while a replica takes over).
+    unavailable_errors = (
+        redis.ConnectionError,
+        redis.TimeoutError,
+        redis.exceptions.ReadOnlyError,
+        redis.exceptions.ClusterError,
+        OSError,
+    )
     supports_priority = True
     pipelines_ack_fetch = True
     supports_prefetch = True
@@ -202,7 +212,7 @@ class RedisBackend(LimitedBackend):
 
     def close(self) -> None:
         if self._client is not None and not redis_connection.shared(self.options):
-            self._client.connection_pool.disconnect()
+            redis_connection.disconnect(self._client)
         self._client = None
 
     def keys(self, queue: str) -> QueueKeys:
@@ -212,46 +222,58 @@ class RedisBackend(LimitedBackend):
             keys = self._keys[queue] = QueueKeys.of(self.prefix, queue)
         return keys
 
-    def _run(self, script: str, queue: str, *args: Any, client: Any = None) -> Any:
+    def _run(self, script: str, queue: str, *args: Any) -> Any:
         """Run one Lua script on ``queue``: every script gets all the queue's keys, in
         :class:`QueueKeys` order."""
-        return self.run_script(script, self.keys(queue), args, client=client)
+        return self.run_script(script, self.keys(queue), args)
 
-    def run_script(self, script: str, keys: Sequence[str], args: Sequence[Any], client: Any = None) -> Any:
-        """Run one registered Lua script (``client``: a pipeline to queue it on). Alone, it is
-        one ``EVALSHA``: one round trip (a server that lost the script, restarted, ran nothing;
-        it is loaded again and the call resent)."""
+    def run_script(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run one registered Lua script: one ``EVALSHA``, one round trip (a cluster sends it to
+        the primary of its keys' slot). A server that lost the script (restarted, or a replica
+        promoted since) ran nothing: the script is loaded again and the call resent."""
         connection = self.client  # connects and registers the scripts
         lua = self._scripts[script]
-        if client is not None:
-            return lua(keys=list(keys), args=list(args), client=client)
         try:
             return connection.evalsha(lua.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
             connection.script_load(lua.script)
             return connection.evalsha(lua.sha, len(keys), *keys, *args)
 
+    def script_call(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, ...]:
+        """A command of :meth:`send` that runs one registered Lua script, by its SHA alone (a
+        redis-py pipeline given the script itself first asks the server whether it has it, a
+        round trip more; a cluster's pipeline refuses it)."""
+        self.client  # noqa: B018  (connects and registers the scripts)
+        return ("execute_command", "EVALSHA", self._scripts[script].sha, len(keys), *keys, *args)
+
     def batch(self, script: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], *reads: Any) -> list[Any]:
         """One round trip: ``reads`` (``(client method name, *args)``), then ``script`` once
-        per (keys, args) of ``calls``; their replies, in order. The script goes by its SHA
-        alone: a pipeline given the script itself first asks the server whether it has it, a
-        round trip more. A server that lost it (restarted) ran none of the calls: it is loaded
-        again and the batch resent."""
-        self.client  # noqa: B018  (connects and registers the scripts)
-        lua = self._scripts[script]
-        try:
-            return self._send(lua.sha, calls, reads)
-        except redis.exceptions.NoScriptError:
-            self.client.script_load(lua.script)
-            return self._send(lua.sha, calls, reads)
+        per (keys, args) of ``calls``; their replies, in order."""
+        return self.send([*reads, *(self.script_call(script, keys, args) for keys, args in calls)])
 
-    def _send(self, sha: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], reads: Sequence[Any]) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
-        for method, *args in reads:
+    def send(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """``commands`` (``(client method name, *args)``, or :meth:`script_call`'s) in one
+        pipeline, not a transaction (a cluster sends each server its share); their replies, in
+        order. A script call that found its script gone (a restarted server, a promoted replica)
+        did not run: the scripts are loaded again (on every primary) and those calls alone are
+        sent again. Then the first error is raised, as a pipeline does."""
+        replies = self._pipe(commands)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, redis.exceptions.NoScriptError)]
+        if missing:
+            for lua in self._scripts.values():
+                self.client.script_load(lua.script)
+            for i, reply in zip(missing, self._pipe([commands[i] for i in missing]), strict=True):
+                replies[i] = reply
+        error = next((reply for reply in replies if isinstance(reply, Exception)), None)
+        if error is not None:
+            raise error
+        return replies
+
+    def _pipe(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        pipe = redis_connection.pipeline(self.client)
+        for method, *args in commands:
             getattr(pipe, method)(*args)
-        for keys, args in calls:
-            pipe.evalsha(sha, len(keys), *keys, *args)
-        return list(pipe.execute())
+        return list(pipe.execute(raise_on_error=False))
 
     def _fenced(self, script: str, lease: Lease, *args: Any) -> int:
         """Run a settle script fenced on ``lease``; its flag (0 raises ``LeaseLost``)."""
@@ -262,15 +284,15 @@ class RedisBackend(LimitedBackend):
 
     # -- protocol --
 
-    def _block(self, envelope: Envelope, client: Any) -> None:
-        """Queue on ``client`` (a pipeline) what stores ``envelope``, which has parents: its open
+    def _block(self, envelope: Envelope) -> list[tuple[Any, ...]]:
+        """The commands (for :meth:`send`) that store ``envelope``, which has parents: its open
         edges (``DRAIN_BATCH`` to a command), then itself blocked."""
+        keys = self.keys(envelope.queue)
         parents = _parents(envelope)
-        edges = self.keys(envelope.queue).edges
-        for chunk in rows.chunked([f"{envelope.id}{SEP}{parent}" for parent in parents], DRAIN_BATCH):
-            client.zadd(edges, dict.fromkeys(chunk, 0))
+        members = [f"{envelope.id}{SEP}{parent}" for parent in parents]
+        edges = [("zadd", keys.edges, dict.fromkeys(chunk, 0)) for chunk in rows.chunked(members, DRAIN_BATCH)]
         body, priority = envelope.to_bytes(), _priority(envelope)
-        self._run("block", envelope.queue, envelope.id, body, priority, len(parents), client=client)
+        return [*edges, self.script_call("block", keys, (envelope.id, body, priority, len(parents)))]
 
     def _store(self, envelope: Envelope) -> Any:
         """Store ``envelope`` ready, or delayed until its ``available_at``: one ``EVALSHA``."""
@@ -291,19 +313,16 @@ class RedisBackend(LimitedBackend):
 
     def enqueue_many(self, envelopes: list[Envelope]) -> list[str]:
         """The jobs without parents: one ``enqueue_many`` script per queue and ``DRAIN_BATCH``
-        jobs (or ``STORE_BYTES`` of messages), ``PIPELINE_CALLS`` of them to a round trip. The
-        children: pipelines store them blocked, ``DRAIN_BATCH`` to one; then they are attached
-        to their parents, which are stored by then even when they are in this batch."""
+        jobs (or ``STORE_BYTES`` of messages), ``PIPELINE_CALLS`` of them to a :meth:`send`. The
+        children: sends store them blocked, ``DRAIN_BATCH`` to one; then they are attached to
+        their parents, which are stored by then even when they are in this batch."""
         now = _ms()
-        calls = [(self.keys(queue), [now, *args]) for queue, args in _store_args(envelopes)]
+        calls = [(self.keys(queue), [now, *args]) for queue, args in _store_calls(envelopes)]
         for some in rows.chunked(calls, PIPELINE_CALLS):
             self.batch("enqueue_many", some)
         children = [envelope for envelope in envelopes if envelope.parents]
         for batch in rows.chunked(children, DRAIN_BATCH):
-            pipe = self.client.pipeline(transaction=False)
-            for envelope in batch:
-                self._block(envelope, pipe)
-            pipe.execute()
+            self.send([command for envelope in batch for command in self._block(envelope)])
         edges = [(e.id, e.queue, parent) for e in children for parent in _parents(e)]
         if edges:
             self._attach(edges)
@@ -625,10 +644,7 @@ class RedisBackend(LimitedBackend):
         pipeline; their replies."""
         replies: list[Any] = []
         for batch in rows.chunked(calls, DRAIN_BATCH):
-            pipe = self.client.pipeline(transaction=False)
-            for queue, args in batch:
-                self._run(script, queue, *args, client=pipe)
-            replies += pipe.execute()
+            replies += self.batch(script, [(self.keys(queue), args) for queue, args in batch])
         return replies
 
     def _drain(self, parents: list[tuple[str, str]]) -> int:
@@ -814,8 +830,18 @@ class RedisBackend(LimitedBackend):
             timeout = min(timeout, max(min(dues) - now, 0.0))
         if timeout < 0.01:
             return True
-        self.client.blpop([self.keys(q).notify for q in queues], timeout=timeout)
-        return True
+        groups = redis_connection.by_slot(self.client, [self.keys(q).notify for q in queues])
+        if len(groups) == 1:
+            self.client.blpop(groups[0], timeout=timeout)
+            return True
+        # BLPOP takes the keys of one cluster slot: block on each slot's lists in turn, a
+        # moment each, until one is woken or the time is up.
+        end = time.monotonic() + timeout
+        while True:
+            for keys in groups:
+                left = end - time.monotonic()
+                if left < 0.01 or self.client.blpop(keys, timeout=min(left, CLUSTER_WAIT_SLICE)):
+                    return True
 
     def size(self, queue: str) -> int:
         counts = self.stats(queue)
@@ -852,32 +878,12 @@ class RedisBackend(LimitedBackend):
         return max(now - min(since), 0.0) if since else None
 
     def persistence_warning(self) -> str | None:
-        """``CONFIG GET appendonly`` and ``save``: neither AOF nor an RDB save point means a
-        restart loses everything. Where CONFIG is disabled (managed Redis), ``INFO persistence``
-        tells AOF and whether an RDB snapshot was ever written since the server started."""
+        """Whether a restart of the server (of any primary of a cluster) loses queued jobs: see
+        :func:`_persistence_warning`."""
         client, throwaway = self._probe_client()
         try:
-            where = redis_connection.address(client)
-            try:
-                aof = _text(client.config_get("appendonly").get("appendonly"))
-                save = _text(client.config_get("save").get("save"))
-            except redis.ResponseError:  # CONFIG is disabled or not allowed
-                info = client.info("persistence")
-                if (
-                    info.get("aof_enabled")
-                    or info.get("rdb_saves", 0)
-                    or info.get("rdb_last_bgsave_time_sec", -1) != -1
-                ):
-                    return None
-                return (
-                    f"Redis at {where} has AOF off and has written no RDB snapshot since it started (its save points "
-                    "are unknown: CONFIG is disabled): a restart may lose every queued job"
-                )
-            if aof == "yes" or save.strip():
-                return None
-            return (
-                f"Redis at {where} keeps nothing on disk (no AOF, no RDB save points): a restart loses every queued job"
-            )
+            warnings = [w for server in redis_connection.servers(client) if (w := _persistence_warning(server))]
+            return "; ".join(warnings) or None
         finally:
             if throwaway:
                 client.close()
@@ -903,6 +909,27 @@ class RedisBackend(LimitedBackend):
         return len(ids)
 
 
+def _persistence_warning(server: Any) -> str | None:
+    """``CONFIG GET appendonly`` and ``save``: neither AOF nor an RDB save point means a
+    restart loses everything. Where CONFIG is disabled (managed Redis), ``INFO persistence``
+    tells AOF and whether an RDB snapshot was ever written since the server started."""
+    where = redis_connection.address(server)
+    try:
+        aof = _text(server.config_get("appendonly").get("appendonly"))
+        save = _text(server.config_get("save").get("save"))
+    except redis.ResponseError:  # CONFIG is disabled or not allowed
+        info = server.info("persistence")
+        if info.get("aof_enabled") or info.get("rdb_saves", 0) or info.get("rdb_last_bgsave_time_sec", -1) != -1:
+            return None
+        return (
+            f"Redis at {where} has AOF off and has written no RDB snapshot since it started (its save points "
+            "are unknown: CONFIG is disabled): a restart may lose every queued job"
+        )
+    if aof == "yes" or save.strip():
+        return None
+    return f"Redis at {where} keeps nothing on disk (no AOF, no RDB save points): a restart loses every queued job"
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value or "")
 
@@ -913,7 +940,7 @@ def _stored(envelope: Envelope) -> tuple[str, bytes, int, int]:
     return envelope.id, envelope.to_bytes(), _priority(envelope), due
 
 
-def _store_args(envelopes: list[Envelope]) -> Iterator[tuple[str, list[Any]]]:
+def _store_calls(envelopes: list[Envelope]) -> Iterator[tuple[str, list[Any]]]:
     """The jobs of ``envelopes`` without parents, by queue (one script touches one queue's
     keys), in order: (queue, the id, body, priority and due of each) for each script call of at
     most ``DRAIN_BATCH`` jobs and about ``STORE_BYTES`` of messages."""

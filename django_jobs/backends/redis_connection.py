@@ -3,9 +3,12 @@
 ``URL`` (``redis://...``) builds a client of its own; ``CACHE`` reuses the pool of a django-redis
 cache alias. Redis Sentinel: ``SENTINELS`` (``[(host, port), ...]``) and ``SERVICE``, or a
 ``redis+sentinel://host:port,host:port/service/db`` URL; the client asks the sentinels for the
-service's primary and asks again after a failover (redis-py's ``Sentinel.master_for``). A probe
-client (the persistence check at start-up and in health checks) gives up after
-:data:`PROBE_TIMEOUT`.
+service's primary and asks again after a failover (redis-py's ``Sentinel.master_for``).
+``CLUSTER`` builds a ``redis.cluster.RedisCluster`` from ``URL`` (any one node) or
+``STARTUP_NODES`` (``[(host, port), ...]``): every key of one queue, or of one limit, carries
+one hash tag, so each script and transaction touches one slot. :func:`problem` checks the
+options of every form. A probe client (the persistence check at start-up and in health checks)
+gives up after :data:`PROBE_TIMEOUT`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from django.core.exceptions import ImproperlyConfigured
 from . import require
 
 redis = require("redis", "redis")
+parsers = require("redis._parsers.commands", "redis")
+policies = require("redis.commands.policies", "redis")
 
 # Seconds the persistence probe waits for the server (it runs at start-up and in health checks).
 PROBE_TIMEOUT = 5.0
@@ -56,11 +61,12 @@ def connect(name: str, options: Mapping[str, Any], *, probe: bool = False) -> An
     :data:`PROBE_TIMEOUT`, for the caller to close; a cache's client keeps its own timeouts)."""
     if options.get("CACHE"):
         return _cache_client(options["CACHE"])
-    # OPTIONS["CLUSTER"]: a redis.cluster.RedisCluster is built here (issue 24, item 3).
     wanted = problem(options)
     if wanted:
         raise ImproperlyConfigured(f"redis backend {name!r} {wanted}")
     kwargs = PROBE_KWARGS if probe else CLIENT_KWARGS
+    if options.get("CLUSTER"):
+        return _cluster_client(options, kwargs)
     found = sentinels(options)
     if found is not None:
         manager = redis.sentinel.Sentinel(found.sentinels, sentinel_kwargs=found.sentinel_kwargs)
@@ -72,6 +78,79 @@ def connect(name: str, options: Mapping[str, Any], *, probe: bool = False) -> An
             **kwargs,
         )
     return redis.Redis.from_url(options["URL"], **kwargs)
+
+
+def _cluster_client(options: Mapping[str, Any], kwargs: dict[str, Any]) -> Any:
+    """A ``RedisCluster`` (options checked by :func:`problem`): it reads the slot map from the
+    first startup node that answers. None answering is an outage (``redis.ConnectionError``), as
+    for a single server."""
+    try:
+        if options.get("STARTUP_NODES"):
+            nodes = [redis.cluster.ClusterNode(host, port) for host, port in _pairs(options, "STARTUP_NODES")]
+            return redis.RedisCluster(startup_nodes=nodes, **kwargs)
+        return redis.RedisCluster.from_url(options["URL"], **kwargs)
+    except redis.exceptions.RedisClusterException as exc:
+        if isinstance(exc.__cause__, (redis.ConnectionError, redis.TimeoutError, OSError)):
+            raise redis.ConnectionError(str(exc)) from exc
+        raise
+
+
+BasePolicyResolver: Any = policies.BasePolicyResolver
+
+
+class ScriptsByKey(BasePolicyResolver):  # type: ignore[misc]
+    """``EVALSHA`` routed by its first key, as a cluster client routes it alone."""
+
+    def __init__(self, fallback: Any = None) -> None:
+        keyed = parsers.CommandPolicies(parsers.RequestPolicy.DEFAULT_KEYED, parsers.ResponsePolicy.DEFAULT_KEYED)
+        super().__init__({"core": {"evalsha": keyed}}, fallback)
+
+    def with_fallback(self, fallback: Any) -> Any:
+        return ScriptsByKey(fallback)
+
+
+CLUSTER_POLICIES = policies.StaticPolicyResolver(fallback=ScriptsByKey())
+
+
+def pipeline(client: Any) -> Any:
+    """A pipeline of ``client``, not a transaction. A cluster's reads each ``EVALSHA``'s slot
+    from its keys: redis-py's cluster pipeline does not take its client's ``policy_resolver``
+    and asks a server ``COMMAND GETKEYS`` of each script call instead, a round trip each."""
+    pipe = client.pipeline(transaction=False)
+    if is_cluster(client):
+        pipe._policy_resolver = CLUSTER_POLICIES
+    return pipe
+
+
+def is_cluster(client: Any) -> bool:
+    """Whether ``client`` talks to a Redis Cluster (``OPTIONS["CLUSTER"]``)."""
+    return isinstance(client, redis.RedisCluster)
+
+
+def servers(client: Any) -> list[Any]:
+    """A client per server holding data: the client itself, or each primary's of a cluster."""
+    if is_cluster(client):
+        return [node.redis_connection for node in client.get_primaries()]
+    return [client]
+
+
+def by_slot(client: Any, keys: list[str]) -> list[list[str]]:
+    """``keys`` grouped by cluster slot, in order (a command over several keys takes keys of
+    one slot in a cluster); a single group on a single server."""
+    if not is_cluster(client):
+        return [keys]
+    groups: dict[int, list[str]] = {}
+    for key in keys:
+        groups.setdefault(client.keyslot(key), []).append(key)
+    return list(groups.values())
+
+
+def disconnect(client: Any) -> None:
+    """Close the connections of a client of our own (every node's, for a cluster)."""
+    if is_cluster(client):
+        client.close()
+    else:
+        client.connection_pool.disconnect()
 
 
 SentinelConnectionPool: Any = redis.sentinel.SentinelConnectionPool
@@ -128,15 +207,35 @@ class FollowingPool(SentinelConnectionPool):  # type: ignore[misc]
 
 def problem(options: Mapping[str, Any]) -> str | None:
     """What is wrong with ``options`` (``"needs ..."``), or ``None``: the system check reports it
-    before a worker starts."""
+    before a worker starts, and :func:`connect` raises it."""
     if options.get("CACHE"):
         return None
     try:
-        sentinels(options)
+        found = sentinels(options)
+        if options.get("CLUSTER"):
+            return _cluster_problem(options, found)
     except ImproperlyConfigured as exc:
         return str(exc)
-    if not options.get("URL") and not options.get("SENTINELS"):
-        return "needs OPTIONS['URL'], OPTIONS['CACHE'] or OPTIONS['SENTINELS'] and OPTIONS['SERVICE']"
+    if not options.get("URL") and found is None:
+        return (
+            "needs OPTIONS['URL'], OPTIONS['CACHE'] or OPTIONS['SENTINELS'] and OPTIONS['SERVICE'] "
+            "(with OPTIONS['CLUSTER']: OPTIONS['URL'] or OPTIONS['STARTUP_NODES'])"
+        )
+    return None
+
+
+def _cluster_problem(options: Mapping[str, Any], found: Sentinels | None) -> str | None:
+    """What is wrong with the options of a cluster (``OPTIONS['CLUSTER']``), or ``None``."""
+    if found is not None:
+        return "needs either OPTIONS['CLUSTER'] or Sentinel (SENTINELS, a redis+sentinel:// URL), not both"
+    url, nodes = options.get("URL"), options.get("STARTUP_NODES")
+    if url and nodes is not None:
+        return "needs either OPTIONS['URL'] or OPTIONS['STARTUP_NODES'] with OPTIONS['CLUSTER'], not both"
+    if nodes is not None:
+        _pairs(options, "STARTUP_NODES")
+        return None
+    if not url:
+        return "needs OPTIONS['URL'] (any one node) or OPTIONS['STARTUP_NODES'] with OPTIONS['CLUSTER']"
     return None
 
 
@@ -160,20 +259,22 @@ def sentinels(options: Mapping[str, Any]) -> Sentinels | None:
         raise ImproperlyConfigured(
             f"needs OPTIONS['SERVICE'], the name the sentinels monitor the primary by, not {service!r}"
         )
-    found = [_pair(entry) for entry in _listed(options.get("SENTINELS"))]
+    found = _pairs(options, "SENTINELS")
     primary = {kwarg: options[key] for key, kwarg in SENTINEL_AUTH.items() if options.get(key) is not None}
     if not isinstance(primary.get("db", 0), int) or isinstance(primary.get("db"), bool):
         raise ImproperlyConfigured(f"needs OPTIONS['DB'] to be an integer, not {primary['db']!r}")
     return Sentinels(found, service, primary, sentinel_kwargs)
 
 
-def _listed(value: Any) -> list[Any]:
+def _pairs(options: Mapping[str, Any], key: str) -> list[tuple[str, int]]:
+    """``OPTIONS[key]``, a non-empty list of (host, port) pairs."""
+    value = options.get(key)
     if not isinstance(value, (list, tuple)) or not value:
-        raise ImproperlyConfigured(f"needs OPTIONS['SENTINELS'], a non-empty list of (host, port) pairs, not {value!r}")
-    return list(value)
+        raise ImproperlyConfigured(f"needs OPTIONS[{key!r}], a non-empty list of (host, port) pairs, not {value!r}")
+    return [_pair(entry, key) for entry in value]
 
 
-def _pair(entry: Any) -> tuple[str, int]:
+def _pair(entry: Any, key: str) -> tuple[str, int]:
     ok = (
         isinstance(entry, (list, tuple))
         and len(entry) == 2
@@ -184,7 +285,7 @@ def _pair(entry: Any) -> tuple[str, int]:
         and 0 < entry[1] < 65536
     )
     if not ok:
-        raise ImproperlyConfigured(f"needs each of OPTIONS['SENTINELS'] to be a (host, port) pair, not {entry!r}")
+        raise ImproperlyConfigured(f"needs each of OPTIONS[{key!r}] to be a (host, port) pair, not {entry!r}")
     return entry[0], entry[1]
 
 
@@ -203,7 +304,7 @@ def _from_url(url: str, sentinel_kwargs: dict[str, Any]) -> Sentinels:
         name, _, port = host.rpartition(":")
         if not name or not port.isdigit():
             raise ImproperlyConfigured(f"needs host:port for each sentinel of its URL ({shape}), not {host!r}")
-        found.append(_pair((name, int(port))))
+        found.append(_pair((name, int(port)), "SENTINELS"))
     primary: dict[str, Any] = {"db": int(parts[1])} if len(parts) == 2 else {}
     if userinfo:
         username, _, password = userinfo.partition(":")
@@ -222,8 +323,11 @@ def _cache_client(alias: str) -> Any:
 
 
 def address(client: Any) -> str:
-    """``host:port`` (or the socket path) a client talks to, for messages; under Sentinel, the
-    service and its sentinels (asking them who the primary is would be a round trip)."""
+    """``host:port`` (or the socket path) a client talks to, for messages; a cluster's
+    primaries, comma-separated; under Sentinel, the service and its sentinels (asking them who
+    the primary is would be a round trip)."""
+    if is_cluster(client):
+        return ",".join(node.name for node in client.get_primaries())
     pool = client.connection_pool
     if isinstance(pool, redis.sentinel.SentinelConnectionPool):
         found = ",".join(address(sentinel) for sentinel in pool.sentinel_manager.sentinels)

@@ -1,7 +1,8 @@
 """What a dispatch sends to its backend's server: round trips and statements, never time.
 
 On Redis one dispatch is one ``EVALSHA`` in one round trip (a pipeline would ask ``SCRIPT
-EXISTS`` first), and a bulk one script call per 1,000 jobs of a queue, in one round trip. On the
+EXISTS`` first), and a bulk one script call per 1,000 jobs of a queue, in one round trip; on a
+Redis Cluster too (a queue is one slot: one primary gets them all). On the
 database one dispatch is one INSERT, and a bulk of 2,500 one INSERT per 1,000 rows on PostgreSQL
 (one ``executemany`` of the one-row INSERT elsewhere, which the driver batches).
 """
@@ -19,6 +20,7 @@ from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
 from django_jobs import Jobs
+from django_jobs.backends import redis_connection
 from django_jobs.backends.base import QueueBackend
 from django_jobs.backends.redis import RedisBackend
 from django_jobs.models import Job
@@ -26,7 +28,7 @@ from tests.backend_params import BACKEND_PARAMS, PG_SERVER_SIDE_BINDING, Backend
 from tests.testapp.jobs import scripted
 
 DATABASES = [*(param for param in BACKEND_PARAMS if str(param.id).startswith("database-")), PG_SERVER_SIDE_BINDING]
-[REDIS] = [param for param in BACKEND_PARAMS if param.id == "redis"]
+REDIS = [param for param in BACKEND_PARAMS if param.id in ("redis", "redis-cluster")]
 BULK = 2500
 
 
@@ -37,7 +39,7 @@ def database_backend(request: pytest.FixtureRequest) -> Iterator[tuple[BackendCa
         yield case, backend
 
 
-@pytest.fixture(params=[REDIS])
+@pytest.fixture(params=REDIS)
 def redis_backend_case(request: pytest.FixtureRequest) -> Iterator[tuple[BackendCase, RedisBackend]]:
     case = ready_case(request)
     with backend_of(case) as backend:
@@ -143,13 +145,15 @@ def test_a_redis_dispatch_loads_a_script_the_server_lost_then_sends_it_again(
     redis_backend_case, monkeypatch, django_capture_on_commit_callbacks
 ):
     case, backend = redis_backend_case
-    backend.client  # noqa: B018  (registers the scripts)
+    for server in redis_connection.servers(backend.client):
+        server.ping()  # connects (to every primary of a cluster), and registers the scripts
     # A script no server holds yet, as after a restart: its source differs by a comment.
     lost = backend.client.register_script(f"{backend._scripts['enqueue'].script}\n-- {uuid.uuid4().hex}")
     monkeypatch.setitem(backend._scripts, "enqueue", lost)
     with round_trips(monkeypatch) as sent, django_capture_on_commit_callbacks(execute=True):
         job_id = dispatch(case)
-    assert sent == [["EVALSHA"], ["SCRIPT LOAD"], ["EVALSHA"]]
+    loads = [["SCRIPT LOAD"]] * len(redis_connection.servers(backend.client))  # every primary of a cluster
+    assert sent == [["EVALSHA"], *loads, ["EVALSHA"]]
     assert backend.peek(job_id) is not None
 
 

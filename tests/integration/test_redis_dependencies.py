@@ -29,8 +29,9 @@ pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.m
 
 
 @pytest.fixture
-def backend(redis_backend: RedisBackend) -> RedisBackend:
-    return redis_backend
+def backend(redis_topology_backend: RedisBackend) -> RedisBackend:
+    """On a single Redis, then on the Redis Cluster."""
+    return redis_topology_backend
 
 
 def job(backend: RedisBackend, *parents: str, queue: str = "default", **options: Any) -> Envelope:
@@ -366,9 +367,7 @@ def test_the_sweep_replays_a_drain_cut_between_its_steps(backend):
 def test_the_sweep_resolves_a_child_whose_attach_never_happened(backend, parent_ends):
     parent = job(backend, action="raise" if parent_ends == "failed" else "ok", max_retries=0)
     child = scripted.using(backend="redis").builder(action="ok").depends_on(parent.id).build()
-    pipe = backend.client.pipeline()
-    backend._block(child, pipe)
-    pipe.execute()  # stored blocked; the process died before attaching it
+    backend.send(backend._block(child))  # stored blocked; the process died before attaching it
     if parent_ends != "live":
         run()  # the parent settles with no dependents known
     assert blocked_on(backend, child.id) == [parent.id]

@@ -31,8 +31,9 @@ QUEUE_KEY = "queue:default"
 
 
 @pytest.fixture
-def backend(redis_backend: RedisBackend) -> RedisBackend:
-    return redis_backend
+def backend(redis_topology_backend: RedisBackend) -> RedisBackend:
+    """On a single Redis, then on the Redis Cluster."""
+    return redis_topology_backend
 
 
 class Clock:

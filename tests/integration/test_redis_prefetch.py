@@ -30,8 +30,9 @@ STALE = "0" * 32  # an owner token no claim ever hands out
 
 
 @pytest.fixture
-def backend(redis_backend: RedisBackend) -> RedisBackend:
-    return redis_backend
+def backend(redis_topology_backend: RedisBackend) -> RedisBackend:
+    """On a single Redis, then on the Redis Cluster."""
+    return redis_topology_backend
 
 
 def keys(backend: RedisBackend, queue: str = "default") -> QueueKeys:

@@ -1,5 +1,6 @@
 """The chaos battery's short version (``bench/chaos_battery.py --short``) against PostgreSQL (direct,
-and through a PgBouncer of its own in transaction mode: ``--pgbouncer``), Redis and Redis Sentinel.
+and through a PgBouncer of its own in transaction mode: ``--pgbouncer``), Redis and a Redis
+Cluster, and a failover under Redis Sentinel.
 
 ``bench/chaos_battery.py`` runs real ``jobs_work`` processes against a PRIVATE PostgreSQL server it
 initdb's and starts on a free loopback port (its own temp dir, never the shared server) and, for
@@ -7,7 +8,9 @@ Redis, a PRIVATE ``redis-server`` on a free port. Scenarios, ~300 jobs each:
 
 - crash: three workers drain 300 jobs while the script SIGKILLs one every few seconds (and
   restarts it), SIGSTOPs another past its 2 s lease (then SIGCONTs it), and crash-restarts the
-  backend's server twice (the private PostgreSQL, or the private redis-server). The shared
+  backend's server twice (the private PostgreSQL, or the private redis-server; on a private
+  Redis Cluster of three primaries with a replica each, the primary of the ``default`` queue is
+  SIGKILLed and its replica promoted, twice). The shared
   servers the other test files use are never touched.
 - tamper: 300 bad messages (garbage, wrong signing key, replayed onto another queue, oversize)
   interleaved with 300 good ones, written straight into the table / the Redis keys.
@@ -258,6 +261,18 @@ def test_chaos_short_on_redis(tmp_path, capsys):
     summary = check(report, log, broker_restarts=2)
     summary += "\n" + check_flows(report, log)
     summary += "\n" + check_stall(report, log)
+    with capsys.disabled():
+        print("\n" + summary)
+
+
+@pytest.mark.slow
+def test_chaos_short_on_a_redis_cluster(tmp_path, capsys):
+    require_private_servers("redis-server", "redis-cli")
+    report, log = run_chaos("redis-cluster", tmp_path, "crash,tamper,flows")
+    # A private cluster of three primaries with a replica each: the primary of the `default`
+    # queue is SIGKILLed twice and its replica promoted (the killed node rejoins as a replica).
+    summary = check(report, log, broker_restarts=2)
+    summary += "\n" + check_flows(report, log)
     with capsys.disabled():
         print("\n" + summary)
 

@@ -1,4 +1,4 @@
-"""Groups and chains run by several real ``manage.py jobs_work`` processes on PostgreSQL.
+"""Groups and chains run by several real ``manage.py jobs_work`` processes on PostgreSQL, Redis and a Redis Cluster.
 
 Each run of a step records a ``SideEffect`` row (its key and the pid of the process that ran
 it), so a test sees what ran, in which order, by which process, and how often.
@@ -34,23 +34,32 @@ BACKENDS = [
     pytest.param("pg", id="database-postgres"),
     pytest.param("pgbouncer", id="database-pgbouncer"),
     pytest.param("redis", id="redis"),
+    pytest.param("redis_cluster", id="redis-cluster"),
     pytest.param("redis_sentinel", id="redis-sentinel"),
 ]
-# The fixture that brings each service up (and, for Sentinel and PgBouncer, adds the backend to
-# the settings).
-SERVICE = {"redis": "redis_up", "redis_sentinel": "sentinel_backend", "pgbouncer": "pgbouncer_backend"}
+# The fixture that brings each service up (the cluster's, Sentinel's and PgBouncer's backends join
+# the settings, here and in the workers).
+SERVICES = {
+    "redis": "redis_up",
+    "redis_cluster": "redis_cluster_in_settings",
+    "redis_sentinel": "sentinel_backend",
+    "pgbouncer": "pgbouncer_backend",
+}
 # The database backend's: direct and through the pooler (their rows are in PostgreSQL).
 DATABASE = {"pg", "pgbouncer"}
 LEASE = 2.0
 MEMBERS = 1000
 WORKERS = 3
+# A group's members and its callback spread over these (three slots on different primaries of
+# the test Redis Cluster: each release crosses from one queue's slot to another's).
+QUEUES = ["default", "other", "emails"]
 
 
 @pytest.fixture
 def env(backend: str, request: pytest.FixtureRequest) -> dict[str, str]:
     """The backend's service is up and the backend known here and to the workers: their environment."""
-    if backend in SERVICE:
-        request.getfixturevalue(SERVICE[backend])
+    if backend in SERVICES:
+        request.getfixturevalue(SERVICES[backend])
     return worker_env(LEASE)
 
 
@@ -72,15 +81,16 @@ def job_rows(backend: str) -> QuerySet[Job]:
 def test_a_group_callback_runs_once_after_every_member(backend, env):
     tag = f"group-{uuid.uuid4().hex[:10]}"
     members = [
-        flow_step.using(backend=backend, **kept(backend)).prepare(None, f"{tag}-m{i}", PG) for i in range(MEMBERS)
+        flow_step.using(backend=backend, queue=QUEUES[i % 3], **kept(backend)).prepare(None, f"{tag}-m{i}", PG)
+        for i in range(MEMBERS)
     ]
-    callback = flow_step.using(backend=backend, keep_result=True).prepare(None, f"{tag}-done", PG)
+    callback = flow_step.using(backend=backend, queue="other", keep_result=True).prepare(None, f"{tag}-done", PG)
     *member_ids, callback_id = group(*members).then(callback).dispatch()
     jobs = job_rows(backend)
 
     with processes() as procs:
         for _ in range(WORKERS):
-            procs.worker("--backend", backend, "--verbosity", "0", env=env)
+            procs.worker(*QUEUES, "--backend", backend, "--verbosity", "0", env=env)
         wait_until(
             lambda: jobs.filter(pk=callback_id, status="completed").exists(), 120, "the group's callback to complete"
         )

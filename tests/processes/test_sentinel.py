@@ -79,6 +79,26 @@ def test_scripts_load_again_on_a_primary_that_lost_them(private_sentinel, backen
     assert backend.size("default") == 0
 
 
+def test_pipelined_scripts_run_on_a_new_primary_that_never_loaded_them(private_sentinel, backend):
+    """``send()`` after a failover: the calls by SHA that met ``NOSCRIPT`` on the new primary are
+    sent again once the scripts are loaded there."""
+    private_sentinel.settle()
+    backend.enqueue_many([job() for _ in range(3)])
+    leases = backend.fetch_many("default", 3)
+    assert len(leases) == 3
+    assert backend.client.execute_command("WAIT", 1, 5000) == 1  # the replica has the leases
+    new, _acted, _named = private_sentinel.failover()
+    direct(new).script_flush()  # as on a replica promoted before it ever ran them
+    time.sleep(RECHECK + 0.1)  # the client asks the sentinels again
+
+    assert backend.ack_many(leases) == []  # one pipeline of ack scripts by SHA
+    assert primary_port(backend) == new
+    direct(new).script_flush()
+    backend.enqueue_many([job() for _ in range(2)])  # one pipeline of enqueue scripts by SHA
+    assert backend.size("default") == 2
+    assert all(direct(new).script_exists(lua.sha)[0] for lua in backend._scripts.values())
+
+
 def test_a_killed_primary_is_an_outage_that_ends_with_the_promotion(private_sentinel, backend):
     private_sentinel.settle()
     backend.enqueue(job())

@@ -1,5 +1,5 @@
-"""The Redis backend's OPTIONS for Sentinel: parsed without connecting, and reported by the
-system check (django_jobs.E016) when they cannot build a client."""
+"""The Redis backend's OPTIONS for Sentinel and for a cluster: parsed without connecting, and
+reported by the system check (django_jobs.E016) when they cannot build a client."""
 
 from __future__ import annotations
 
@@ -57,13 +57,24 @@ def test_a_plain_url_has_no_sentinels():
         ({"URL": "redis+sentinel://h:1/"}, "a URL of the form"),
         ({"URL": "redis+sentinel://h:1/m/x"}, "a URL of the form"),
         ({}, "OPTIONS['URL']"),
+        ({"CLUSTER": True}, "OPTIONS['STARTUP_NODES']"),
+        ({"CLUSTER": True, "URL": "redis://h:7000/0", "STARTUP_NODES": [("h", 7000)]}, "not both"),
+        ({"CLUSTER": True, "STARTUP_NODES": []}, "a non-empty list of (host, port) pairs"),
+        ({"CLUSTER": True, "STARTUP_NODES": ["h:7000"]}, "each of OPTIONS['STARTUP_NODES']"),
+        ({"CLUSTER": True, "URL": "redis+sentinel://h:1/m"}, "OPTIONS['CLUSTER'] or Sentinel"),
+        ({"CLUSTER": True, "SENTINELS": [("h", 1)], "SERVICE": "m"}, "OPTIONS['CLUSTER'] or Sentinel"),
     ],
 )
-def test_bad_sentinel_options_say_what_is_needed(options, says):
+def test_bad_sentinel_or_cluster_options_say_what_is_needed(options, says):
     problem = redis_connection.problem(options)
     assert problem is not None and says in problem, problem
     with pytest.raises(ImproperlyConfigured, match="redis backend 'q' needs"):
         redis_connection.connect("q", options)
+
+
+def test_cluster_options_take_a_url_or_startup_nodes():
+    assert redis_connection.problem({"CLUSTER": True, "URL": "redis://127.0.0.1:7000/0"}) is None
+    assert redis_connection.problem({"CLUSTER": True, "STARTUP_NODES": [("127.0.0.1", 7000), ["h", 7001]]}) is None
 
 
 def test_a_bad_url_is_reported_without_its_password():
@@ -91,6 +102,7 @@ def test_a_failover_s_errors_are_outages_not_failed_commands():
         redis.exceptions.ReadOnlyError("READONLY You can't write against a read only replica."),
         redis.sentinel.MasterNotFoundError("No master found for 'mymaster'"),
         redis_connection.NoReplicasError("NOREPLICAS Not enough good replicas to write."),
+        redis.exceptions.ClusterDownError("CLUSTERDOWN The cluster is down"),
     )
     for error in during:
         assert isinstance(error, RedisBackend.unavailable_errors), error
