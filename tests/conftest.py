@@ -67,6 +67,12 @@ def _pgbouncer_console(statement: str) -> None:
         psycopg.ClientCursor(console).execute(statement)  # the console speaks the simple protocol only
 
 
+@pytest.fixture
+def pgbouncer_console():
+    """``run(statement)``: one command on the test PgBouncer's admin console."""
+    return _pgbouncer_console
+
+
 @pytest.fixture(scope="session")
 def pgbouncer_up() -> None:
     """PgBouncer (transaction pooling, scripts/services starts it) is up in front of the test

@@ -48,7 +48,11 @@ def engine_class(engine: str) -> type[QueueBackend]:
         raise ImproperlyConfigured(
             f"unknown backend ENGINE {engine!r}; use one of {', '.join(ENGINES)} or a dotted path"
         )
-    backend_class: type[QueueBackend] = import_string(path)
+    backend_class = import_string(path)
+    if not (isinstance(backend_class, type) and issubclass(backend_class, QueueBackend)):
+        raise ImproperlyConfigured(
+            f"backend ENGINE {engine!r} is not a subclass of django_jobs.backends.base.QueueBackend"
+        )
     return backend_class
 
 

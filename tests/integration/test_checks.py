@@ -74,6 +74,13 @@ def test_engine_dotted_path_that_cannot_be_imported():
     )
 
 
+def test_engine_that_is_not_a_queue_backend():
+    # Anything else importable (a function, a class of its own) is an error of the check, which
+    # must not crash on it.
+    for engine in ("django_jobs.api.job", "collections.OrderedDict"):
+        only(jobs_errors(BACKENDS={"default": {"ENGINE": engine}}), "django_jobs.E002", "not a subclass of")
+
+
 def test_dotted_path_engine_that_exists_passes():
     assert jobs_errors(BACKENDS={"default": {"ENGINE": "django_jobs.backends.database.DatabaseBackend"}}) == []
 

@@ -85,7 +85,10 @@ def test_a_bounded_run_after_another_in_the_same_process_runs_its_jobs(pooled):
     assert Job.objects.using(POOLED).filter(status="completed").count() == 6
 
 
-def test_an_execute_that_reaches_another_server_session_runs_the_plain_statement(pooled, caplog):
+def test_an_execute_that_reaches_another_server_session_runs_the_plain_statement(pooled, caplog, pgbouncer_console):
+    # The pool's server sessions that earlier tests prepared the statement on are closed first:
+    # any session the next EXECUTE may reach has never seen its PREPARE, but the one it is made on.
+    pgbouncer_console(f'RECONNECT "{connections[POOLED].settings_dict["NAME"]}"')
     dispatch(3)
     following = pooled.ack_and_fetch(pooled.fetch("default"), "default")  # prepared on the session it got
     assert following is not None and pooled.prepare

@@ -256,7 +256,10 @@ from tests.settings import *  # noqa: F403
 JOBS = {**JOBS, "BACKENDS": {**JOBS["BACKENDS"], "broken": {"ENGINE": "broken_settings.BrokenBackend"}}}
 
 
-class BrokenBackend:
+from django_jobs.backends.sync import SyncBackend
+
+
+class BrokenBackend(SyncBackend):
     """Imports fine (so the checks and jobs_work's own validation pass), fails when built: in
     each worker process, at start-up."""
 
