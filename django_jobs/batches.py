@@ -20,11 +20,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .backends.base import NO_RESULT, Lease, QueueBackend, Requeue, Requeued
 from .exceptions import AbortRequested, LeaseLost
 from .heartbeat import Heartbeat
+from .history import Deferred
 from .logfields import lease_fields
 from .metrics import MetricsCollector
 
@@ -74,6 +75,7 @@ class Batches:
         cancel: Callable[[Lease, str], object],
         requeued: Callable[[list[tuple[Lease, Verdict]]], None],
         refused: Callable[[Lease, Verdict, str], object],
+        history: Deferred,
     ) -> None:
         self.backend, self.heartbeat, self.metrics = backend, heartbeat, metrics
         self.maximum, self.lease_seconds = maximum, lease_seconds
@@ -82,6 +84,7 @@ class Batches:
         self.requeued = requeued  # failed runs whose requeues were written: count and record them
         self.refused = refused  # a failed run's requeue refused, the job asked to abort: cancel it (never raises)
         self.tickets: Tickets | None = None  # the run's, while it runs
+        self.history = history  # attempt rows written with the batch's next write
         self._ahead: deque[Lease] = deque()
         self._acks: list[Lease] = []
         self._requeues: list[tuple[Requeue, Verdict]] = []  # failed runs, written with the acks
@@ -188,6 +191,14 @@ class Batches:
             self._watch_later()
         return True
 
+    def record_later(self, row: dict[str, Any]) -> None:
+        """The attempt row of a failed run requeued at once (:meth:`requeue_later` said
+        ``False``): written with the batch's next write, as the rows of the requeues it writes
+        are (one statement for all of them, not one per failed run)."""
+        self.history.later(row)
+        with self._lock:
+            self._watch_later()
+
     def finish(self) -> None:
         """The run ends: write the waiting acks and hand back every job held ahead."""
         self.heartbeat.cancel()
@@ -209,6 +220,7 @@ class Batches:
             begun = [lease for key, lease in self._begun.items() if key not in settled]
             self._begun = {}
         if not acks and not begun and not requeues:
+            self._write_history()
             return
         try:
             lost, done = self.settle(
@@ -221,9 +233,11 @@ class Batches:
                 len(acks),
                 len(requeues),
             )
+            self._write_history()
             return
         self._count_lost(lost)
         self._written(requeues, done)
+        self._write_history()
 
     def hand_back(self) -> None:
         """Jobs held ahead go straight back, not counted as runs, with their tickets (one asked
@@ -276,7 +290,7 @@ class Batches:
             self.hand_back()
         with self._lock:
             self._watch_due = None
-            if self._ahead or self._acks or self._begun or self._requeues:
+            if self._ahead or self._acks or self._begun or self._requeues or self.history:
                 self._watch_later()
 
     def _watch_later(self, delay: float = BATCH_SECONDS) -> None:
@@ -288,6 +302,10 @@ class Batches:
         self.heartbeat.after(due, self._watch)
 
     # -- helpers --
+
+    def _write_history(self) -> None:
+        if self.history:
+            self.history.write()
 
     def _put_back(self, acks: list[Lease], requeues: list[tuple[Requeue, Verdict]]) -> None:
         if acks or requeues:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from datetime import datetime
 from typing import Any, TypedDict, Unpack
 
@@ -94,6 +95,33 @@ def record_many(attempts: list[dict[str, Any]], using: str | None = None) -> Non
         get_collector().increment("jobs_history_errors", len(attempts))
         which = ", ".join(f"attempt {row['attempt']} of job {row['job_id']}" for row in attempts)
         logger.exception("could not record %s in its history", which)
+
+
+class Deferred:
+    """Attempt rows a worker keeps to write with its batch's next write, in one statement with
+    the rows written after them: every write here goes in the order the rows were made (a lock
+    held across it), so a job's attempts are recorded in order whichever thread writes."""
+
+    def __init__(self, using: str | None = None) -> None:
+        self.using = using
+        self._rows: list[dict[str, Any]] = []
+        self._kept = threading.Lock()  # over ``_rows``
+        self._writing = threading.Lock()  # over a write, kept rows first
+
+    def __bool__(self) -> bool:
+        return bool(self._rows)
+
+    def later(self, row: dict[str, Any]) -> None:
+        """Keep ``row`` (:func:`attempt_row`) for the next :meth:`write`."""
+        with self._kept:
+            self._rows.append(row)
+
+    def write(self, rows: list[dict[str, Any]] | None = None) -> None:
+        """Write the kept rows, then ``rows``, in one statement (:func:`record_many`)."""
+        with self._writing:
+            with self._kept:
+                kept, self._rows = self._rows, []
+            record_many(kept + rows if rows else kept, self.using)
 
 
 def trim(job_id: str, using: str | None = None) -> None:

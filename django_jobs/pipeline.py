@@ -325,6 +325,12 @@ class DeliveryPipeline:
         # Takes a failed run's requeue to write with its batch (``True``), or leaves it to be
         # written now (``False``); set by the run loop where the backend batches requeues.
         self.requeue_later: Callable[[Lease, Verdict], bool] | None = None
+        # Writes attempt-history rows; the run loop swaps in its batch's writer, which writes
+        # the rows it keeps first.
+        self.record: Callable[[list[dict[str, Any]]], None] = self.record_now
+        # Takes the row of a failed run requeued at once, to write with the batch's next write;
+        # set by the run loop where the backend batches requeues.
+        self.record_later: Callable[[dict[str, Any]], None] | None = None
         # The worker is stopping at once (QueueWorker.interrupt): a run does not begin, and one
         # that ends with an error is handed back without counting it.
         self.interrupted = False
@@ -709,7 +715,7 @@ class DeliveryPipeline:
             else:
                 if now:  # else counted and recorded once its batch has written it (``requeued``)
                     self._count(lease, verdict)
-                    self._recorded(lease, verdict)
+                    self._recorded(lease, verdict, batched)
         retried = outcome is Outcome.REQUEUED and verdict.count_run
         result = WorkerResult(
             outcome,
@@ -767,7 +773,7 @@ class DeliveryPipeline:
         rows = [
             self._attempt(lease.envelope, AttemptOutcome.RETRYING, verdict) for lease, verdict in done if lease.envelope
         ]
-        history.record_many(rows, using=self.backend.history_alias)
+        self.record(rows)
 
     def requeue_refused(self, lease: Lease, verdict: Verdict, requested_by: str) -> None:
         """A failed run's requeue that its batch found refused (the job was asked to abort while
@@ -794,8 +800,9 @@ class DeliveryPipeline:
                 time.sleep(pause)
         return action(*args, **kwargs)
 
-    def _recorded(self, lease: Lease, verdict: Verdict) -> None:
-        """After a settle: the result and the attempt history, then the signals."""
+    def _recorded(self, lease: Lease, verdict: Verdict, batched: bool) -> None:
+        """After a settle: the result and the attempt history, then the signals. ``batched``:
+        a requeue's row may wait for the batch's next write (:attr:`record_later`)."""
         outcome, env = verdict.outcome, lease.envelope
         if outcome is Outcome.REJECTED or env is None:
             emit(job_rejected, self.backend, message_id=lease.token, queue=lease.queue, reason=verdict.error or "")
@@ -808,7 +815,10 @@ class DeliveryPipeline:
             emit(job_succeeded, verdict.handler, envelope=env, attempt=attempt,
                  result=verdict.value, seconds=verdict.seconds)  # fmt: skip
         elif outcome is Outcome.REQUEUED and verdict.count_run:
-            self._history(env, AttemptOutcome.RETRYING, verdict)
+            if batched and self.record_later is not None:
+                self.record_later(self._attempt(env, AttemptOutcome.RETRYING, verdict))
+            else:
+                self._history(env, AttemptOutcome.RETRYING, verdict)
         elif outcome is Outcome.CANCELLED:
             self._history(env, AttemptOutcome.CANCELLED, verdict, worker=verdict.requested_by)
         elif outcome is Outcome.DEAD_LETTERED:
@@ -818,8 +828,12 @@ class DeliveryPipeline:
             emit(job_dead_lettered, verdict.handler or env.handler, envelope=env, error=verdict.error or "",
                  attempts=runs, exception=verdict.exception)  # fmt: skip
 
+    def record_now(self, rows: list[dict[str, Any]]) -> None:
+        """Write attempt-history rows now (:attr:`record` outside a run's batches)."""
+        history.record_many(rows, using=self.backend.history_alias)
+
     def _history(self, env: Envelope, outcome: str, verdict: Verdict, worker: str | None = None) -> None:
-        history.record_many([self._attempt(env, outcome, verdict, worker)], using=self.backend.history_alias)
+        self.record([self._attempt(env, outcome, verdict, worker)])
 
     @staticmethod
     def _attempt(env: Envelope, outcome: str, verdict: Verdict, worker: str | None = None) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from .backends.base import Lease, QueueBackend
 from .batches import Batches
 from .exceptions import WorkerInterrupted, summary
 from .heartbeat import Heartbeat
+from .history import Deferred
 from .logfields import queues_fields
 from .metrics import MetricsCollector, get_collector
 from .pipeline import (
@@ -142,6 +143,7 @@ class QueueWorker:
             cancel=self.pipeline.cancel_unstarted,
             requeued=self.pipeline.requeued,
             refused=self.pipeline.requeue_refused,
+            history=Deferred(self.backend.history_alias),
         )
         self.pipeline.keep_alive.append(self.batches.extend)
         # Told of each lease before its delivery (``True``) and after it (``False``): a pool's
@@ -248,8 +250,10 @@ class QueueWorker:
         if self.batching:
             self.pipeline.ack = self.batches.ack_later
             self.pipeline.on_start = self.batches.started
+            self.pipeline.record = self.batches.history.write
             if self.backend.batches_requeues:
                 self.pipeline.requeue_later = self.batches.requeue_later
+                self.pipeline.record_later = self.batches.record_later
         elif self.backend.pipelines_ack_fetch:
             self.pipeline.ack = lambda lease: self._ack_and_lease_next(lease, limits)
         self.heartbeat.start()
@@ -291,7 +295,9 @@ class QueueWorker:
             self.pipeline.on_start = None
             self.pipeline.requeue_later = None
             self.pipeline.on_backend_error = None
-            self.batches.finish()
+            self.batches.finish()  # its requeues' rows are written after the ones it keeps
+            self.pipeline.record = self.pipeline.record_now
+            self.pipeline.record_later = None
             self.batches.tickets = None
             self.heartbeat.stop()
             self.batching = False

@@ -12,11 +12,15 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import pytest
 from django.utils import timezone
 
+from django_jobs import history
 from django_jobs.backends.base import Lease, Requeue, Requeued
 from django_jobs.batches import BATCH_SECONDS, Batches, Settled
+from django_jobs.history import Deferred
 from django_jobs.metrics import InMemoryMetricsCollector
+from django_jobs.models import AttemptOutcome
 from django_jobs.pipeline import Outcome, Verdict
 
 
@@ -55,6 +59,7 @@ def batches(heartbeat: RecordingHeartbeat, backend: Any = Any, outcomes: list[An
         cancel=lambda lease, who: None,
         requeued=lambda done: seen.extend(("requeued", lease.token) for lease, _ in done),
         refused=lambda lease, verdict, who: seen.append(("refused", lease.token, who)),
+        history=Deferred(),
     )
 
 
@@ -144,3 +149,34 @@ def test_a_failed_run_whose_start_is_not_written_is_requeued_at_once() -> None:
     held.started(written)
     held._begun.clear()  # as the heartbeat's write of its start does
     assert held.requeue_later(written, failed())
+
+
+def test_the_row_of_a_run_requeued_at_once_waits_for_the_batchs_next_write(monkeypatch) -> None:
+    """One statement for the rows of a batch's failed runs, not one each: the row is kept, the
+    write scheduled within an ack interval, and written then."""
+    written: list[list[str]] = []
+    monkeypatch.setattr(history, "record_many", lambda rows, using=None: written.append([r["job_id"] for r in rows]))
+    heartbeat = RecordingHeartbeat()
+    held = batches(heartbeat)
+    held.record_later(history.attempt_row("a", 1, "retrying"))
+    held.record_later(history.attempt_row("b", 1, "retrying"))
+    assert heartbeat.timer is not None and heartbeat.timer[0] <= time.monotonic() + BATCH_SECONDS
+    assert not written
+    heartbeat.timer[1]()  # the heartbeat's write
+    assert written == [["a", "b"]]
+    held.flush()
+    assert written == [["a", "b"]]  # written once
+
+
+@pytest.mark.django_db
+def test_kept_rows_are_written_before_the_rows_written_after_them() -> None:
+    """A job's attempts stay in order: the row of its first run, kept for the batch's write,
+    goes before the row of its second run written now (a dead letter: not kept)."""
+    rows = history.Deferred()
+    rows.later(history.attempt_row("job", 1, AttemptOutcome.RETRYING, error="first"))
+    rows.write([history.attempt_row("job", 2, AttemptOutcome.FAILED, error="second")])
+    assert [(a.attempt, a.outcome, a.error) for a in history.attempts_of("job")] == [
+        (1, AttemptOutcome.RETRYING, "first"),
+        (2, AttemptOutcome.FAILED, "second"),
+    ]
+    assert not rows
