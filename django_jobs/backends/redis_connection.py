@@ -20,6 +20,7 @@ from urllib.parse import unquote
 
 from django.core.exceptions import ImproperlyConfigured
 
+from .. import conf
 from . import require
 
 redis = require("redis", "redis")
@@ -213,7 +214,9 @@ def problem(options: Mapping[str, Any]) -> str | None:
     try:
         found = sentinels(options)
         if options.get("CLUSTER"):
-            return _cluster_problem(options, found)
+            return _cluster_problem(options, found) or _hash_tag_problem(options)
+        if found is None and options.get("URL"):
+            _parsed_url(options["URL"])
     except ImproperlyConfigured as exc:
         return str(exc)
     if not options.get("URL") and found is None:
@@ -236,7 +239,44 @@ def _cluster_problem(options: Mapping[str, Any], found: Sentinels | None) -> str
         return None
     if not url:
         return "needs OPTIONS['URL'] (any one node) or OPTIONS['STARTUP_NODES'] with OPTIONS['CLUSTER']"
+    if _parsed_url(url).get("db", 0) != 0:
+        return "needs a URL of database 0 with OPTIONS['CLUSTER'] (a cluster has no other)"
     return None
+
+
+def _hash_tag_problem(options: Mapping[str, Any]) -> str | None:
+    """What keeps a queue's keys from sharing their queue's hash tag on a cluster, or ``None``.
+    A key is ``<PREFIX>:{<queue>}:<kind>`` and Redis hashes what lies between its first ``{`` and
+    the first ``}`` after it: braces in the prefix would take the tag from the prefix, and a
+    queue whose name begins with ``}`` would leave it empty (the whole key hashed, each kind of
+    key in a slot of its own, which no script may span)."""
+    prefix = str(options.get("PREFIX", "django_jobs"))
+    if "{" in prefix or "}" in prefix:
+        return (
+            f"needs a PREFIX without braces with OPTIONS['CLUSTER'] (each key's hash tag is its queue), not {prefix!r}"
+        )
+    queues = conf.get("QUEUES")
+    untagged = (
+        [q for q in queues if isinstance(q, str) and q.startswith("}")] if isinstance(queues, list | tuple) else []
+    )
+    if untagged:
+        return (
+            f"needs queue names that do not begin with '}}' with OPTIONS['CLUSTER'] (the keys of such a queue "
+            f"have no hash tag, and its scripts would span slots), not {untagged[0]!r}"
+        )
+    return None
+
+
+def _parsed_url(url: Any) -> dict[str, Any]:
+    """A server's ``URL`` as redis-py reads it, without connecting; ``ImproperlyConfigured`` says
+    why it cannot be read."""
+    if not isinstance(url, str):
+        raise ImproperlyConfigured(f"needs OPTIONS['URL'] to be a string, not {type(url).__name__}")
+    try:
+        parsed: dict[str, Any] = redis.connection.parse_url(url)
+    except ValueError as exc:  # its message never shows the URL (nor its password)
+        raise ImproperlyConfigured(f"needs a redis://, rediss://, unix:// or {SENTINEL_SCHEME} URL: {exc}") from exc
+    return parsed
 
 
 def sentinels(options: Mapping[str, Any]) -> Sentinels | None:
@@ -250,6 +290,12 @@ def sentinels(options: Mapping[str, Any]) -> Sentinels | None:
     if not isinstance(extra, dict):
         raise ImproperlyConfigured(f"needs OPTIONS['SENTINEL_KWARGS'] to be a dict, not {type(extra).__name__}")
     sentinel_kwargs = {"socket_connect_timeout": SENTINEL_TIMEOUT, "socket_timeout": SENTINEL_TIMEOUT, **extra}
+    try:
+        redis.Redis(**sentinel_kwargs).close()  # builds a pool, connects to nothing
+    except TypeError as exc:
+        raise ImproperlyConfigured(
+            f"needs OPTIONS['SENTINEL_KWARGS'] to be arguments of a Redis client: {exc}"
+        ) from exc
     if given:
         return _from_url(str(url), sentinel_kwargs)
     if "SENTINELS" not in options and "SERVICE" not in options:
@@ -302,6 +348,8 @@ def _from_url(url: str, sentinel_kwargs: dict[str, Any]) -> Sentinels:
     found = []
     for host in hosts.split(","):
         name, _, port = host.rpartition(":")
+        if name.startswith("[") and name.endswith("]"):  # an IPv6 address, written as URLs write it
+            name = name[1:-1]
         if not name or not port.isdigit():
             raise ImproperlyConfigured(f"needs host:port for each sentinel of its URL ({shape}), not {host!r}")
         found.append(_pair((name, int(port)), "SENTINELS"))

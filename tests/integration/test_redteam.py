@@ -4,6 +4,7 @@ break found (the process-level ones are in tests/processes/test_redteam.py)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from django.conf import settings
@@ -44,3 +45,90 @@ def test_redteam_a_float_in_the_payload_reaches_the_handler_as_that_float_on_pos
     # jsonb has no negative zero: -0.0 arrives as 0.0, still a float (docs/api.md says so).
     sign = 1 if value == 0 else math.copysign(1, value)
     assert math.copysign(1, got) == sign, repr(got)
+
+
+# -- production topologies: Redis Sentinel and Redis Cluster options --------------------------------
+
+
+def _with_redis_backend(options: dict[str, object], queues: list[str] | None = None) -> override_settings:
+    """JOBS with a redis backend named ``x`` of these options (and these QUEUES)."""
+    backends = {**settings.JOBS["BACKENDS"], "x": {"ENGINE": "redis", "OPTIONS": options}}
+    return override_settings(JOBS={**settings.JOBS, "BACKENDS": backends, "QUEUES": queues or settings.JOBS["QUEUES"]})
+
+
+def _refused(options: dict[str, object], says: str, queues: list[str] | None = None) -> None:
+    """`manage.py check` reports E016 for backend ``x``, and its first use raises
+    ImproperlyConfigured: the documented answer to options that cannot build a client."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from django_jobs.backends import get_backend
+    from django_jobs.checks import check_settings
+
+    with _with_redis_backend(options, queues):
+        errors = [e.msg for e in check_settings() if e.id == "django_jobs.E016"]
+        assert len(errors) == 1 and says in errors[0], errors
+        with pytest.raises(ImproperlyConfigured, match=re.escape(says)):
+            get_backend("x").client  # noqa: B018 (builds the client)
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"URL": "REDIS+SENTINEL://h:1/mymaster"}, "redis+sentinel:// URL"),
+        ({"URL": "redis+sentinels://h:1/mymaster"}, "redis+sentinel:// URL"),
+        ({"URL": "http://h:6379/0"}, "redis+sentinel:// URL"),
+        ({"URL": 6379}, "OPTIONS['URL'] to be a string"),
+        ({"CLUSTER": True, "URL": "redis://h:notaport/0"}, "Port could not be cast"),
+        ({"CLUSTER": True, "URL": "redis://h:7000/3"}, "database 0"),
+        ({"SENTINELS": [("h", 26379)], "SERVICE": "m", "SENTINEL_KWARGS": {"pasword": "x"}}, "SENTINEL_KWARGS"),
+    ],
+    ids=[
+        "uppercase-sentinel-scheme",
+        "misspelt-scheme",
+        "http",
+        "not-a-string",
+        "cluster-bad-port",
+        "cluster-db-3",
+        "sentinel-kwargs-typo",
+    ],
+)
+def test_redteam_redis_options_that_cannot_build_a_client_are_e016_not_a_traceback(options, says):
+    """docs/settings.md, django_jobs.E016: "A backend's OPTIONS cannot build its client, found
+    without connecting"; docs/backends.md: options of the wrong shape are reported by `manage.py
+    check` "and the first use raises ImproperlyConfigured". Attack: a URL redis-py refuses (a
+    misspelt or upper-case scheme, a port that is not a number, not a string at all), a cluster
+    URL naming database 3, a typo in SENTINEL_KWARGS. The check said nothing and the first use
+    raised redis-py's ValueError, RedisClusterException or TypeError (or an AttributeError)."""
+    _refused(options, says)
+
+
+@pytest.mark.parametrize("queue", ["}", "}urgent"])
+def test_redteam_a_cluster_refuses_a_queue_whose_keys_would_have_no_hash_tag(queue):
+    """docs/operations.md, Redis Cluster: "Every key of a queue is `<PREFIX>:{<queue>}:<kind>`, so
+    the sixteen keys of a queue share one slot". Attack: a queue named `}urgent`. Its keys read
+    `djt:{}urgent}:waiting`: Redis takes the empty `{}` for no hash tag and hashes each whole key,
+    so each kind of key lands in a slot of its own, and every script of that queue failed with
+    `RedisClusterException: EVALSHA - all keys must map to the same key slot` (the dispatch
+    itself raised it). Such a queue is refused on a cluster instead (E016)."""
+    _refused({"CLUSTER": True, "URL": "redis://127.0.0.1:7000/0"}, f"not {queue!r}", ["default", queue])
+
+
+@pytest.mark.parametrize("prefix", ["{}", "app{1}", "a}b"])
+def test_redteam_a_cluster_refuses_a_prefix_with_braces(prefix):
+    """docs/operations.md, Redis Cluster: a queue's slot is "the CRC16 of the queue's name, modulo
+    16384; the prefix plays no part", and load "spreads over the primaries by queue". Attack: a
+    PREFIX with braces. `app{1}` made `1` the hash tag of every key of every queue and limit (the
+    whole cluster's work on one primary); `{}` left every key without a tag (each script spans
+    slots and fails). Refused on a cluster (E016)."""
+    _refused({"CLUSTER": True, "URL": "redis://127.0.0.1:7000/0", "PREFIX": prefix}, "PREFIX without braces")
+
+
+def test_redteam_a_sentinel_url_may_name_an_ipv6_sentinel():
+    """docs/backends.md: `URL` may be `redis+sentinel://[[user]:password@]host:port[,host:port...]/...`.
+    Attack: an IPv6 sentinel, written as URLs write one (`[::1]:26379`). The brackets were kept in
+    the host name (`[::1]`), which no resolver knows: every connection failed, as an outage that
+    never ends."""
+    from django_jobs.backends import redis_connection
+
+    found = redis_connection.sentinels({"URL": "redis+sentinel://[::1]:26379,10.0.0.2:26379/mymaster/0"})
+    assert found is not None and found.sentinels == [("::1", 26379), ("10.0.0.2", 26379)]
