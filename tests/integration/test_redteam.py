@@ -132,3 +132,29 @@ def test_redteam_a_sentinel_url_may_name_an_ipv6_sentinel():
 
     found = redis_connection.sentinels({"URL": "redis+sentinel://[::1]:26379,10.0.0.2:26379/mymaster/0"})
     assert found is not None and found.sentinels == [("::1", 26379), ("10.0.0.2", 26379)]
+
+
+# -- production topologies: PgBouncer --------------------------------------------------------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("alias", ["nope", "default"], ids=["missing", "sqlite"])
+def test_redteam_a_bad_listen_database_is_a_system_check_error_not_a_traceback(alias):
+    """docs/commands.md: "Every command runs Django's system checks first and refuses to start on
+    an error"; docs/backends.md: a `LISTEN_DATABASE` that is not a PostgreSQL alias of DATABASES
+    makes "the backend refuse to start". Attack: LISTEN_DATABASE names an alias DATABASES lacks,
+    or the SQLite one. `manage.py check` found nothing, and `jobs_work` got past its checks and
+    died on the backend's ImproperlyConfigured with a traceback."""
+    from django.core.management.base import SystemCheckError
+
+    from django_jobs.checks import check_settings
+
+    pooled = {"ENGINE": "database", "OPTIONS": {"DATABASE": "postgres", "LISTEN_DATABASE": alias}}
+    jobs_settings = {**settings.JOBS, "BACKENDS": {**settings.JOBS["BACKENDS"], "pooled": pooled}}
+    with override_settings(JOBS=jobs_settings):
+        errors = [e.msg for e in check_settings() if e.id == "django_jobs.E016"]
+        assert errors == [
+            f"backend 'pooled' needs OPTIONS['LISTEN_DATABASE'] to name a PostgreSQL database of DATABASES, not {alias!r}"
+        ]
+        with pytest.raises(SystemCheckError, match="LISTEN_DATABASE"):
+            call_command("jobs_work", "--backend", "pooled", "--once", skip_checks=False)
