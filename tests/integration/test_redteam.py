@@ -158,3 +158,42 @@ def test_redteam_a_bad_listen_database_is_a_system_check_error_not_a_traceback(a
         ]
         with pytest.raises(SystemCheckError, match="LISTEN_DATABASE"):
             call_command("jobs_work", "--backend", "pooled", "--once", skip_checks=False)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+def test_redteam_a_jobs_database_connection_cut_under_it_is_not_handed_to_the_next_job(redis_up, postgres_up):
+    """docs/operations.md, PgBouncer: "A restart of PostgreSQL behind PgBouncer lasts, for the
+    workers, until PgBouncer logs in again"; docs/backends.md (`reset_connection`): after a
+    restarted server or a killed session the thread's next call "connects afresh".
+
+    Attack: a private PostgreSQL restarted behind a private PgBouncer (pool of 1) under four
+    worker processes whose jobs write to a second, direct alias. The pooler hid the restart from
+    the backend, so nothing reset the jobs' own connection: every later job of each process
+    failed on it (`OperationalError: the connection is closed`), 216 of 300 permanently. Here the
+    job's session is killed once, on a Redis worker (whose backend never touches PostgreSQL): the
+    run that meets the cut fails, the next ones must run."""
+    import psycopg
+    from django.db import connections
+
+    from django_jobs.worker import QueueWorker
+
+    worker = QueueWorker("redis", ["default"], prefetch=1)
+    jobs.scripted.using(backend="redis").dispatch(action="ok", key="before-cut", db="postgres")
+    assert worker.process_once().status.value == "acked"
+
+    db = settings.DATABASES["postgres"]
+    session = connections["postgres"].connection.info.backend_pid  # the job's connection (this thread's)
+    with psycopg.connect(
+        host=db["HOST"], port=db["PORT"], user=db["USER"], dbname="postgres", autocommit=True
+    ) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [session])
+    jobs.scripted.using(backend="redis", max_retries=0).dispatch(action="ok", key="meets-the-cut", db="postgres")
+    worker.process_once()  # fails on the dead session: a run of its own
+
+    outcomes = []
+    for n in range(3):
+        jobs.scripted.using(backend="redis", max_retries=0).dispatch(action="ok", key=f"after-cut-{n}", db="postgres")
+        result = worker.process_once()
+        outcomes.append((result.status.value, (result.error or "").partition("\n")[0]))
+    assert outcomes == [("acked", "")] * 3, outcomes
