@@ -70,7 +70,8 @@ def connect(name: str, options: Mapping[str, Any], *, probe: bool = False) -> An
         return _cluster_client(options, kwargs)
     found = sentinels(options)
     if found is not None:
-        manager = redis.sentinel.Sentinel(found.sentinels, sentinel_kwargs=found.sentinel_kwargs)
+        manager = redis.sentinel.Sentinel([], sentinel_kwargs=found.sentinel_kwargs)
+        manager.sentinels = [SentinelClient(host, port, **found.sentinel_kwargs) for host, port in found.sentinels]
         return manager.master_for(
             found.service,
             connection_pool_class=FollowingPool,
@@ -157,6 +158,20 @@ def disconnect(client: Any) -> None:
 SentinelConnectionPool: Any = redis.sentinel.SentinelConnectionPool
 SentinelManagedConnection: Any = redis.sentinel.SentinelManagedConnection
 RedisConnectionError: Any = redis.ConnectionError
+RedisResponseError: Any = redis.ResponseError
+RedisClient: Any = redis.Redis
+
+
+class SentinelClient(RedisClient):  # type: ignore[misc]
+    """The client of one sentinel. One that answers the question with an error (a server there
+    that is no sentinel) is passed over for the next, as one that does not answer is: redis-py
+    stops at it, and every command then fails however many good sentinels follow."""
+
+    def sentinel_masters(self) -> Any:
+        try:
+            return super().sentinel_masters()
+        except RedisResponseError as exc:
+            raise RedisConnectionError(f"{self} is not a sentinel: {exc}") from exc
 
 
 class NoReplicasError(RedisConnectionError):  # type: ignore[misc]

@@ -197,3 +197,20 @@ def test_redteam_a_jobs_database_connection_cut_under_it_is_not_handed_to_the_ne
         result = worker.process_once()
         outcomes.append((result.status.value, (result.error or "").partition("\n")[0]))
     assert outcomes == [("acked", "")] * 3, outcomes
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+def test_redteam_a_server_that_is_no_sentinel_does_not_hide_the_others(sentinel_up):
+    """docs/operations.md, Redis Sentinel: the backend is given "the sentinels, not a server" and
+    asks them who the primary is; docs/api.md: a dispatch to a backend whose server cannot be
+    reached raises `BackendUnavailable`. Attack: the URL's first address is a plain Redis server
+    (a port mixed up), the three after it are the group's sentinels. redis-py stopped at the
+    first one's error reply (`unknown command 'SENTINEL'`): every dispatch and every fetch raised
+    that `ResponseError`, though three sentinels could name the primary."""
+    from django_jobs.worker import QueueWorker
+
+    url = settings.SENTINEL_URL.replace("redis+sentinel://", "redis+sentinel://127.0.0.1:6379,", 1)
+    with _with_redis_backend({"URL": url, "PREFIX": settings.REDIS_PREFIX}):
+        job_id = jobs.scripted.using(backend="x").dispatch(action="ok")
+        result = QueueWorker("x", ["default"], prefetch=1).process_once()
+    assert (result.status.value, result.job_id) == ("acked", job_id), result
