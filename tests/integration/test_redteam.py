@@ -214,3 +214,23 @@ def test_redteam_a_server_that_is_no_sentinel_does_not_hide_the_others(sentinel_
         job_id = jobs.scripted.using(backend="x").dispatch(action="ok")
         result = QueueWorker("x", ["default"], prefetch=1).process_once()
     assert (result.status.value, result.job_id) == ("acked", job_id), result
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+def test_redteam_a_queue_name_with_a_nul_character_is_refused(redis_up):
+    """docs/backends.md, Dependencies on Redis: a parent's settle writes its outcome into its
+    queue's outbox, "which the worker drains at once"; the sweep is the safety net for crashes
+    (docs/operations.md: a late release is an alert). Attack: a queue named `a\\0b`. A child in
+    that queue waited after its parent completed, released only by the next reaper pass (its
+    `dependents` record is `<parent> NUL <child> NUL <queue>`, which the NUL in the name cuts
+    short), and on PostgreSQL the dispatch raised `DataError` (text cannot hold NUL). Such a
+    name is refused by the check (E010) and at dispatch."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from django_jobs.checks import check_settings
+
+    with override_settings(JOBS={**settings.JOBS, "QUEUES": ["default", "a\x00b"]}):
+        errors = [e.msg for e in check_settings() if e.id == "django_jobs.E010"]
+        assert errors == ["QUEUES must not hold a NUL character; it holds 'a\\x00b' (a str)"], errors
+        with pytest.raises(ImproperlyConfigured, match="NUL"):
+            jobs.scripted.using(backend="redis", queue="a\x00b").dispatch(action="ok")
