@@ -171,7 +171,8 @@ class SentinelClient(RedisClient):  # type: ignore[misc]
         try:
             return super().sentinel_masters()
         except RedisResponseError as exc:
-            raise RedisConnectionError(f"{self} is not a sentinel: {exc}") from exc
+            where = self.connection_pool.connection_kwargs
+            raise RedisConnectionError(f"{where.get('host')}:{where.get('port')} is not a sentinel: {exc}") from exc
 
 
 class NoReplicasError(RedisConnectionError):  # type: ignore[misc]
