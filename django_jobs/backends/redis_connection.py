@@ -227,6 +227,9 @@ def problem(options: Mapping[str, Any]) -> str | None:
     before a worker starts, and :func:`connect` raises it."""
     if options.get("CACHE"):
         return None
+    cluster = options.get("CLUSTER")
+    if cluster is not None and not isinstance(cluster, bool):  # "False" from an environment variable
+        return f"needs OPTIONS['CLUSTER'] to be True or False, not {cluster!r}"
     try:
         found = sentinels(options)
         if options.get("CLUSTER"):

@@ -81,6 +81,7 @@ def _refused(options: dict[str, object], says: str, queues: list[str] | None = N
         ({"CLUSTER": True, "URL": "redis://h:notaport/0"}, "Port could not be cast"),
         ({"CLUSTER": True, "URL": "redis://h:7000/3"}, "database 0"),
         ({"SENTINELS": [("h", 26379)], "SERVICE": "m", "SENTINEL_KWARGS": {"pasword": "x"}}, "SENTINEL_KWARGS"),
+        ({"CLUSTER": "False", "URL": "redis://127.0.0.1:6379/0"}, "OPTIONS['CLUSTER'] to be True or False"),
     ],
     ids=[
         "uppercase-sentinel-scheme",
@@ -90,6 +91,7 @@ def _refused(options: dict[str, object], says: str, queues: list[str] | None = N
         "cluster-bad-port",
         "cluster-db-3",
         "sentinel-kwargs-typo",
+        "cluster-a-string",
     ],
 )
 def test_redteam_redis_options_that_cannot_build_a_client_are_e016_not_a_traceback(options, says):
@@ -97,7 +99,8 @@ def test_redteam_redis_options_that_cannot_build_a_client_are_e016_not_a_traceba
     without connecting"; docs/backends.md: options of the wrong shape are reported by `manage.py
     check` "and the first use raises ImproperlyConfigured". Attack: a URL redis-py refuses (a
     misspelt or upper-case scheme, a port that is not a number, not a string at all), a cluster
-    URL naming database 3, a typo in SENTINEL_KWARGS. The check said nothing and the first use
+    URL naming database 3, a typo in SENTINEL_KWARGS, `CLUSTER: "False"` (a string read from an
+    environment variable, which turned cluster mode on). The check said nothing and the first use
     raised redis-py's ValueError, RedisClusterException or TypeError (or an AttributeError)."""
     _refused(options, says)
 
