@@ -104,6 +104,8 @@ def names_problem(value: Any, *, ordered: bool = False) -> str | None:
     for item in cast(Iterable[Any], value):
         if not isinstance(item, str) or not item:
             return f"must be a list of non-empty strings; it holds {describe(item)}"
+        if "\x00" in item:  # PostgreSQL cannot store it; Redis's flow records use it as a separator
+            return f"must not hold a NUL character; it holds {describe(item)}"
     return None
 
 

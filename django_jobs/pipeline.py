@@ -31,6 +31,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, ParamSpec, TypeVar
 
+from django.db import connections
 from django.utils import timezone
 
 from . import conf, coroutines, history, registry, signing
@@ -540,6 +541,7 @@ class DeliveryPipeline:
             if self.heartbeat is not None:  # after the limit ended: an abort arms nothing now
                 self.heartbeat.disarm()
         seconds = time.monotonic() - start
+        _drop_broken_connections()
         self.metrics.observe("jobs_exec_seconds", seconds, queue=queue)
         if limit.aborted_by is not None:  # the abort reached the run before it ended
             return self._cancelled(d, limit.aborted_by, error, seconds)
@@ -1026,6 +1028,20 @@ _ADMITTED = Verdict(Outcome.ACKED)
 def _rejection(exc: JobsError, counter: str) -> Verdict:
     text = f"rejected: {type(exc).__name__}: {exc}"
     return Verdict(Outcome.REJECTED, text, count_run=False, counter=counter, exception=exc)
+
+
+def _drop_broken_connections() -> None:
+    """After a run, as Django does at the end of a request: a database connection of this thread
+    on which an error occurred (the job's own queries included) and that no longer answers (a
+    restarted server, a killed session) is closed, so the next job connects afresh instead of
+    failing on it. Connections that answer stay open; one inside a transaction is left alone."""
+    for connection in connections.all(initialized_only=True):
+        if connection.connection is None or not connection.errors_occurred or connection.in_atomic_block:
+            continue
+        if connection.is_usable():
+            connection.errors_occurred = False
+        else:
+            _quietly(connection.close, f"close the broken connection to database {connection.alias!r}")
 
 
 def _quietly(action: Callable[[], Any], what: str) -> None:

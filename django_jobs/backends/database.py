@@ -128,6 +128,15 @@ class DatabaseBackend(LimitedBackend):
     transactional = True
     audit_failures = False  # a failed job keeps its own row
 
+    @classmethod
+    def options_problem(cls, options: dict[str, Any]) -> str | None:
+        """``LISTEN_DATABASE``, when given, must be a PostgreSQL alias of ``DATABASES``."""
+        alias = options.get("DATABASE", DEFAULT_DB_ALIAS)
+        listen = options.get("LISTEN_DATABASE", alias)
+        if listen != alias and (listen not in connections or connections[listen].vendor != "postgresql"):
+            return f"needs OPTIONS['LISTEN_DATABASE'] to name a PostgreSQL database of DATABASES, not {listen!r}"
+        return None
+
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         super().__init__(name, options)
         self.alias = self.history_alias = options.get("DATABASE", DEFAULT_DB_ALIAS)
@@ -146,15 +155,10 @@ class DatabaseBackend(LimitedBackend):
         self.prepare = bool(options.get("PREPARE", True))
         # PostgreSQL: idle workers LISTEN on this alias (a direct connection where DATABASE is
         # a pooler in transaction mode, which does not hold a LISTEN).
-        listen_alias = options.get("LISTEN_DATABASE", self.alias)
-        if listen_alias != self.alias and (
-            listen_alias not in connections or connections[listen_alias].vendor != "postgresql"
-        ):
-            raise ImproperlyConfigured(
-                f"database backend {name!r}: OPTIONS['LISTEN_DATABASE'] must name a PostgreSQL database "
-                f"of DATABASES, not {listen_alias!r}"
-            )
-        self.listener = Listener(name, listen_alias, self.alias)
+        problem = self.options_problem(options)
+        if problem:
+            raise ImproperlyConfigured(f"database backend {name!r} {problem}")
+        self.listener = Listener(name, options.get("LISTEN_DATABASE", self.alias), self.alias)
         self.limits = DatabaseLimits(self.alias)
 
     # -- helpers --

@@ -20,6 +20,7 @@ from urllib.parse import unquote
 
 from django.core.exceptions import ImproperlyConfigured
 
+from .. import conf
 from . import require
 
 redis = require("redis", "redis")
@@ -69,7 +70,8 @@ def connect(name: str, options: Mapping[str, Any], *, probe: bool = False) -> An
         return _cluster_client(options, kwargs)
     found = sentinels(options)
     if found is not None:
-        manager = redis.sentinel.Sentinel(found.sentinels, sentinel_kwargs=found.sentinel_kwargs)
+        manager = redis.sentinel.Sentinel([], sentinel_kwargs=found.sentinel_kwargs)
+        manager.sentinels = [SentinelClient(host, port, **found.sentinel_kwargs) for host, port in found.sentinels]
         return manager.master_for(
             found.service,
             connection_pool_class=FollowingPool,
@@ -156,6 +158,21 @@ def disconnect(client: Any) -> None:
 SentinelConnectionPool: Any = redis.sentinel.SentinelConnectionPool
 SentinelManagedConnection: Any = redis.sentinel.SentinelManagedConnection
 RedisConnectionError: Any = redis.ConnectionError
+RedisResponseError: Any = redis.ResponseError
+RedisClient: Any = redis.Redis
+
+
+class SentinelClient(RedisClient):  # type: ignore[misc]
+    """The client of one sentinel. One that answers the question with an error (a server there
+    that is no sentinel) is passed over for the next, as one that does not answer is: redis-py
+    stops at it, and every command then fails however many good sentinels follow."""
+
+    def sentinel_masters(self) -> Any:
+        try:
+            return super().sentinel_masters()
+        except RedisResponseError as exc:
+            where = self.connection_pool.connection_kwargs
+            raise RedisConnectionError(f"{where.get('host')}:{where.get('port')} is not a sentinel: {exc}") from exc
 
 
 class NoReplicasError(RedisConnectionError):  # type: ignore[misc]
@@ -210,10 +227,15 @@ def problem(options: Mapping[str, Any]) -> str | None:
     before a worker starts, and :func:`connect` raises it."""
     if options.get("CACHE"):
         return None
+    cluster = options.get("CLUSTER")
+    if cluster is not None and not isinstance(cluster, bool):  # "False" from an environment variable
+        return f"needs OPTIONS['CLUSTER'] to be True or False, not {cluster!r}"
     try:
         found = sentinels(options)
         if options.get("CLUSTER"):
-            return _cluster_problem(options, found)
+            return _cluster_problem(options, found) or _hash_tag_problem(options)
+        if found is None and options.get("URL"):
+            _parsed_url(options["URL"])
     except ImproperlyConfigured as exc:
         return str(exc)
     if not options.get("URL") and found is None:
@@ -236,7 +258,44 @@ def _cluster_problem(options: Mapping[str, Any], found: Sentinels | None) -> str
         return None
     if not url:
         return "needs OPTIONS['URL'] (any one node) or OPTIONS['STARTUP_NODES'] with OPTIONS['CLUSTER']"
+    if _parsed_url(url).get("db", 0) != 0:
+        return "needs a URL of database 0 with OPTIONS['CLUSTER'] (a cluster has no other)"
     return None
+
+
+def _hash_tag_problem(options: Mapping[str, Any]) -> str | None:
+    """What keeps a queue's keys from sharing their queue's hash tag on a cluster, or ``None``.
+    A key is ``<PREFIX>:{<queue>}:<kind>`` and Redis hashes what lies between its first ``{`` and
+    the first ``}`` after it: braces in the prefix would take the tag from the prefix, and a
+    queue whose name begins with ``}`` would leave it empty (the whole key hashed, each kind of
+    key in a slot of its own, which no script may span)."""
+    prefix = str(options.get("PREFIX", "django_jobs"))
+    if "{" in prefix or "}" in prefix:
+        return (
+            f"needs a PREFIX without braces with OPTIONS['CLUSTER'] (each key's hash tag is its queue), not {prefix!r}"
+        )
+    queues = conf.get("QUEUES")
+    untagged = (
+        [q for q in queues if isinstance(q, str) and q.startswith("}")] if isinstance(queues, list | tuple) else []
+    )
+    if untagged:
+        return (
+            f"needs queue names that do not begin with '}}' with OPTIONS['CLUSTER'] (the keys of such a queue "
+            f"have no hash tag, and its scripts would span slots), not {untagged[0]!r}"
+        )
+    return None
+
+
+def _parsed_url(url: Any) -> dict[str, Any]:
+    """A server's ``URL`` as redis-py reads it, without connecting; ``ImproperlyConfigured`` says
+    why it cannot be read."""
+    if not isinstance(url, str):
+        raise ImproperlyConfigured(f"needs OPTIONS['URL'] to be a string, not {type(url).__name__}")
+    try:
+        parsed: dict[str, Any] = redis.connection.parse_url(url)
+    except ValueError as exc:  # its message never shows the URL (nor its password)
+        raise ImproperlyConfigured(f"needs a redis://, rediss://, unix:// or {SENTINEL_SCHEME} URL: {exc}") from exc
+    return parsed
 
 
 def sentinels(options: Mapping[str, Any]) -> Sentinels | None:
@@ -250,6 +309,12 @@ def sentinels(options: Mapping[str, Any]) -> Sentinels | None:
     if not isinstance(extra, dict):
         raise ImproperlyConfigured(f"needs OPTIONS['SENTINEL_KWARGS'] to be a dict, not {type(extra).__name__}")
     sentinel_kwargs = {"socket_connect_timeout": SENTINEL_TIMEOUT, "socket_timeout": SENTINEL_TIMEOUT, **extra}
+    try:
+        redis.Redis(**sentinel_kwargs).close()  # builds a pool, connects to nothing
+    except TypeError as exc:
+        raise ImproperlyConfigured(
+            f"needs OPTIONS['SENTINEL_KWARGS'] to be arguments of a Redis client: {exc}"
+        ) from exc
     if given:
         return _from_url(str(url), sentinel_kwargs)
     if "SENTINELS" not in options and "SERVICE" not in options:
@@ -302,6 +367,8 @@ def _from_url(url: str, sentinel_kwargs: dict[str, Any]) -> Sentinels:
     found = []
     for host in hosts.split(","):
         name, _, port = host.rpartition(":")
+        if name.startswith("[") and name.endswith("]"):  # an IPv6 address, written as URLs write it
+            name = name[1:-1]
         if not name or not port.isdigit():
             raise ImproperlyConfigured(f"needs host:port for each sentinel of its URL ({shape}), not {host!r}")
         found.append(_pair((name, int(port)), "SENTINELS"))
