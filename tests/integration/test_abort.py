@@ -346,7 +346,7 @@ def test_the_reaper_cancels_a_job_asked_to_abort_whose_worker_was_lost(backend, 
     queue = Jobs.backend(backend)
     [lease] = queue.fetch_many("default", 5) if claim == "ahead" else [queue.fetch("default")]
     assert Jobs.abort(job_id, "ops") == "aborting"
-    queue.lose_claims("default", lease.owner_token, lease.token if claim == "single" else None)
+    queue.lose_claims("default", lease.owner_token, [lease.token] if claim == "single" else [])
 
     assert Reaper(queue, ["default"]).reap_once() == 1
 
@@ -554,7 +554,7 @@ def test_redis_the_reaper_cancels_a_job_asked_to_abort_whose_worker_was_lost(
     queue = Jobs.backend("redis")
     [lease] = queue.fetch_many("default", 5) if claim == "ahead" else [queue.fetch("default")]
     assert Jobs.abort(job_id, "ops") == "aborting"
-    queue.lose_claims("default", lease.owner_token, lease.token if claim == "single" else None)
+    queue.lose_claims("default", lease.owner_token, [lease.token] if claim == "single" else [])
 
     assert Reaper(queue, ["default"]).reap_once() == 1
 
