@@ -387,7 +387,7 @@ class Claims(NamedTuple):
         if not text:
             return None
         queue, owner, running, job_id, *failed = text.split(SEPARATOR)
-        pairs = tuple(zip(failed[::2], failed[1::2], strict=True))
+        pairs = tuple(zip(failed[::2], failed[1::2], strict=False))
         return Claims(queue, owner, running or None, job_id or None, pairs)
 
 
