@@ -1,11 +1,10 @@
 """The attempt history: one ``JobAttempt`` row per finished attempt, newest ``HISTORY_LIMIT`` kept
 (per round of attempts: an admin retry trims the history and starts a new round).
 
-Written by the worker after it settled an attempt (before, for a failed run's requeue that its
-batch writes: the retry is never claimable before the row exists), and by the reaper for a lost
-one. Never
-raises: the attempt is already settled, and a history that cannot be written is logged and
-counted (``jobs_history_errors``), not a reason to run the job again.
+Written by the worker after it settled an attempt (just before, for a failed run's requeue where
+the backend batches requeues: its retry is never claimable before the row exists), and by the
+reaper for a lost one. Never raises: the attempt is already settled, and a history that cannot be
+written is logged and counted (``jobs_history_errors``), not a reason to run the job again.
 """
 
 from __future__ import annotations

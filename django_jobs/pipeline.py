@@ -714,7 +714,7 @@ class DeliveryPipeline:
                 )
                 outcome = Outcome.LEASE_LOST
             else:
-                if now:  # else counted and recorded once its batch has written it (``requeued``)
+                if now:  # else counted once its batch has written it (``requeued``)
                     self._count(lease, verdict)
                     self._recorded(lease, verdict)
         retried = outcome is Outcome.REQUEUED and verdict.count_run
