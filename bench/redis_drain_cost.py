@@ -6,16 +6,20 @@ free loopback port, stopped at the end), with the attempt history in PostgreSQL 
 it. ``--mode noop``: jobs that do nothing; ``--mode retry``: jobs that fail their first run and
 succeed on the second (``max_retries=1``, no backoff), as the harness's retry variant. It prints
 the CPU time (``time.process_time``: every thread of the process) and the wall time per job of
-each round, then their medians; ``--profile PATH`` writes a cProfile of the last round. A
+each round, then their medians; ``--profile PATH`` writes a cProfile of the last round.
+``--supervised``: the worker tells a supervisor's shared memory of its jobs and of its failed
+runs not written yet, as a ``jobs_work`` pool process does (its failed runs' requeues then wait
+for the batch); without it, it runs as ``jobs_work --once`` or ``--max N`` with one process does. A
 comparison, not a test: nothing asserts on time.
 
-    python bench/redis_drain_cost.py --mode retry --n 2000 --rounds 5
+    python bench/redis_drain_cost.py --mode retry --n 2000 --rounds 5 --supervised
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import multiprocessing
 import os
 import socket
 import statistics
@@ -98,6 +102,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", help="write a cProfile of the last round here")
+    parser.add_argument("--supervised", action="store_true", help="as a jobs_work pool process runs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         server, port = private_redis(workdir)
@@ -113,6 +118,7 @@ def measure(args: argparse.Namespace) -> None:
     from bench import redis_drain_jobs
     from django_jobs.backends import get_backend
     from django_jobs.models import JobAttempt
+    from django_jobs.pool import CLAIMS_BYTES, Recorder
     from django_jobs.worker import QueueWorker
 
     backend = get_backend()
@@ -128,7 +134,10 @@ def measure(args: argparse.Namespace) -> None:
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if profile is not None:
             profile.enable()
-        done = QueueWorker(backend).run(max_jobs=deliveries, reap=False)
+        worker = QueueWorker(backend)
+        if args.supervised:
+            worker.supervisor = Recorder(multiprocessing.get_context("fork").Array("c", CLAIMS_BYTES, lock=False))
+        done = worker.run(max_jobs=deliveries, reap=False)
         if profile is not None:
             profile.disable()
             profile.dump_stats(args.profile)

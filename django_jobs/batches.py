@@ -6,11 +6,14 @@ successes together with its next claim. How many it claims follows the jobs: abo
 ``BATCH_SECONDS`` of work by the recent jobs' durations, at most ``PREFETCH``, so short jobs are
 claimed many at a time and long ones one at a time (the next ones stay free for other workers).
 
-The heartbeat thread watches each batch: every ``BATCH_SECONDS`` it writes the waiting acks, and
-the start of a job claimed ahead within half of that after its handler is called (so that from
-then on a loss of its lease counts as a run), and
+The heartbeat thread watches each batch: every ``BATCH_SECONDS`` it writes the waiting acks and
+requeues, and the start of a job claimed ahead within half of that after its handler is called
+(so that from then on a loss of its lease counts as a run), and
 once a batch has run ``HAND_BACK_AFTER`` seconds (a long job in it) it hands the jobs still
 waiting in it back, uncounted, so that other workers run them.
+
+Every write of a batch writes the attempt rows it keeps first, then the requeues: a retry is
+never claimable before the row of the run that failed exists.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .metrics import MetricsCollector
 
 if TYPE_CHECKING:
     from .pipeline import Verdict
+    from .worker import Supervisor
 
 # What settling a batch writes: the leases found lost among the acks, and what became of each
 # requeue.
@@ -81,10 +85,11 @@ class Batches:
         self.maximum, self.lease_seconds = maximum, lease_seconds
         self.settle = settle  # runs a backend call, retrying transient errors
         self.cancel = cancel  # settles a job held here that was asked to abort (who asked)
-        self.requeued = requeued  # failed runs whose requeues were written: count and record them
+        self.requeued = requeued  # failed runs whose requeues were written: count them
         self.refused = refused  # a failed run's requeue refused, the job asked to abort: cancel it (never raises)
         self.tickets: Tickets | None = None  # the run's, while it runs
-        self.history = history  # attempt rows written with the batch's next write
+        self.supervisor: Supervisor | None = None  # a pool's, while it runs: told of waiting requeues
+        self.history = history  # attempt rows written before the batch's next write
         self._ahead: deque[Lease] = deque()
         self._acks: list[Lease] = []
         self._requeues: list[tuple[Requeue, Verdict]] = []  # failed runs, written with the acks
@@ -122,6 +127,7 @@ class Batches:
         with self._lock:
             acks, self._acks = self._acks, []
             requeues, self._requeues = self._requeues, []
+        self._write_history()  # the requeues' rows, before the retries are claimable
         claimed: list[Lease] = []
         try:
             for queue in queues:
@@ -174,30 +180,25 @@ class Batches:
         with self._lock:
             self._acks.append(lease)
 
-    def requeue_later(self, lease: Lease, verdict: Verdict) -> bool:
-        """The pipeline's requeue of a failed run: written with the next claim or by the
-        heartbeat thread, as an ack is, then counted and recorded (``requeued``). ``False``, to
-        be written now, for a lease past half its time (as :meth:`ack_later` decides), and for
-        a run whose start is not written yet: if this process died before the batch's next
-        write, its supervisor would count only the job then in hand, and this run would be
-        handed back uncounted."""
+    def requeue_later(self, lease: Lease, verdict: Verdict, row: dict[str, Any]) -> bool:
+        """The pipeline's requeue of a failed run, and its attempt ``row``: written with the
+        next claim or by the heartbeat thread, the row first (one statement for all the rows a
+        write keeps), then counted (``requeued``). The supervisor is told of the run meanwhile,
+        so that a death of this process before the write counts it. ``False``, to be written now
+        (the row first), for a lease past half its time (as :meth:`ack_later` decides), and for
+        a run whose start is not written yet that no supervisor was told of: if this process
+        died before the batch's next write, it would be handed back uncounted."""
         if lease.seconds_left() < self.lease_seconds / 2:
             return False
         requeue = Requeue(lease, time.time() + max(verdict.delay, 0.0), verdict.error or "", verdict.count_run)
-        with self._lock:
-            if id(lease) in self._begun:
+        with self._lock:  # the row is kept before a write can take the requeue
+            told = self.supervisor is not None and self.supervisor.unwritten(lease)
+            if not told and id(lease) in self._begun:
                 return False
+            self.history.later(row)
             self._requeues.append((requeue, verdict))
             self._watch_later()
         return True
-
-    def record_later(self, row: dict[str, Any]) -> None:
-        """The attempt row of a failed run requeued at once (:meth:`requeue_later` said
-        ``False``): written with the batch's next write, as the rows of the requeues it writes
-        are (one statement for all of them, not one per failed run)."""
-        self.history.later(row)
-        with self._lock:
-            self._watch_later()
 
     def finish(self) -> None:
         """The run ends: write the waiting acks and hand back every job held ahead."""
@@ -210,8 +211,9 @@ class Batches:
     # -- either thread --
 
     def flush(self) -> None:
-        """Write the waiting acks and starts now; a backend error is retried a few times, then
-        the jobs are left to the reaper (they will run again). Never raises."""
+        """Write the kept attempt rows, then the waiting acks, starts and requeues; a backend
+        error is retried a few times, then the jobs are left to the reaper (they will run
+        again). Never raises."""
         with self._lock:
             acks, self._acks = self._acks, []
             requeues, self._requeues = self._requeues, []
@@ -219,8 +221,8 @@ class Batches:
             settled = {id(lease) for lease in acks} | {id(requeue.lease) for requeue, _ in requeues}
             begun = [lease for key, lease in self._begun.items() if key not in settled]
             self._begun = {}
+        self._write_history()  # the requeues' rows, before the retries are claimable
         if not acks and not begun and not requeues:
-            self._write_history()
             return
         try:
             lost, done = self.settle(
@@ -233,11 +235,10 @@ class Batches:
                 len(acks),
                 len(requeues),
             )
-            self._write_history()
+            self._told_written(requeues)
             return
         self._count_lost(lost)
         self._written(requeues, done)
-        self._write_history()
 
     def hand_back(self) -> None:
         """Jobs held ahead go straight back, not counted as runs, with their tickets (one asked
@@ -326,6 +327,11 @@ class Batches:
                 self.refused(lease, verdict, outcome)
         if requeued:
             self.requeued(requeued)
+        self._told_written(requeues)
+
+    def _told_written(self, requeues: list[tuple[Requeue, Verdict]]) -> None:
+        if requeues and self.supervisor is not None:
+            self.supervisor.written(requeue.lease for requeue, _ in requeues)
 
     def _count_lost(self, lost: list[Lease], what: str = "ack") -> None:
         for lease in lost:

@@ -1,9 +1,10 @@
 """The attempt history: one ``JobAttempt`` row per finished attempt, newest ``HISTORY_LIMIT`` kept
 (per round of attempts: an admin retry trims the history and starts a new round).
 
-Written by the worker after it settled an attempt, and by the reaper for a lost one. Never
-raises: the attempt is already settled, and a history that cannot be written is logged and
-counted (``jobs_history_errors``), not a reason to run the job again.
+Written by the worker after it settled an attempt (just before, for a failed run's requeue where
+the backend batches requeues: its retry is never claimable before the row exists), and by the
+reaper for a lost one. Never raises: the attempt is already settled, and a history that cannot be
+written is logged and counted (``jobs_history_errors``), not a reason to run the job again.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from django.utils import timezone
 
 from . import conf, rows
 from .metrics import get_collector
-from .models import JobAttempt
+from .models import AttemptOutcome, JobAttempt
 
 logger = logging.getLogger("django_jobs.history")
 
@@ -95,6 +96,27 @@ def record_many(attempts: list[dict[str, Any]], using: str | None = None) -> Non
         get_collector().increment("jobs_history_errors", len(attempts))
         which = ", ".join(f"attempt {row['attempt']} of job {row['job_id']}" for row in attempts)
         logger.exception("could not record %s in its history", which)
+
+
+def amend(row: dict[str, Any], using: str | None = None) -> None:
+    """Write ``row`` (:func:`attempt_row`) over the newest ``retrying`` row of its attempt: a
+    failed run's row is written before its requeue, which the backend may then refuse (the job
+    was asked to abort), and the run ends cancelled instead, one row still. Inserted when there
+    is no such row (its write failed)."""
+    try:
+        if int(conf.get("HISTORY_LIMIT")) <= 0:
+            return
+        attempts = JobAttempt.objects.using(using or router.db_for_write(JobAttempt))
+        retrying = attempts.filter(job_id=row["job_id"], attempt=row["attempt"], outcome=AttemptOutcome.RETRYING)
+        newest = retrying.order_by("-id").values_list("id", flat=True).first()
+        if newest is not None:
+            attempts.filter(id=newest).update(**{k: v for k, v in row.items() if k not in ("job_id", "attempt")})
+            return
+    except Exception:
+        get_collector().increment("jobs_history_errors")
+        logger.exception("could not record attempt %s of job %s in its history", row["attempt"], row["job_id"])
+        return
+    record_many([row], using)
 
 
 class Deferred:

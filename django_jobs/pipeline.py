@@ -159,6 +159,7 @@ class Verdict:
     handler: Any = None  # the handler that ran (the sender of the job signals)
     requested_by: str | None = None  # who asked to abort a cancelled run
     hold: Hold | None = None  # a limit deferred the start
+    amends: bool = False  # its row replaces the ``retrying`` row written before a refused requeue
 
 
 class JobContext:
@@ -323,15 +324,13 @@ class DeliveryPipeline:
         self.keep_alive: list[Callable[[], None]] = []
         # Told of a lease just before its handler is called (the run loop records the start).
         self.on_start: Callable[[Lease], None] | None = None
-        # Takes a failed run's requeue to write with its batch (``True``), or leaves it to be
-        # written now (``False``); set by the run loop where the backend batches requeues.
-        self.requeue_later: Callable[[Lease, Verdict], bool] | None = None
+        # Takes a failed run's requeue and its attempt row to write with its batch, the row
+        # first (``True``), or leaves them to be written now (``False``), the row first too; set
+        # by the run loop where the backend batches requeues.
+        self.requeue_later: Callable[[Lease, Verdict, dict[str, Any]], bool] | None = None
         # Writes attempt-history rows; the run loop swaps in its batch's writer, which writes
         # the rows it keeps first.
         self.record: Callable[[list[dict[str, Any]]], None] = self.record_now
-        # Takes the row of a failed run requeued at once, to write with the batch's next write;
-        # set by the run loop where the backend batches requeues.
-        self.record_later: Callable[[dict[str, Any]], None] | None = None
         # The worker is stopping at once (QueueWorker.interrupt): a run does not begin, and one
         # that ends with an error is handed back without counting it.
         self.interrupted = False
@@ -702,7 +701,7 @@ class DeliveryPipeline:
                 try:
                     now = self._tell_backend(lease, verdict, on_success or (), retries, batched)
                 except AbortRequested as asked:  # a requeue refused: the job was asked to abort
-                    verdict = _instead_of_requeue(verdict, asked.requested_by)
+                    verdict = _instead_of_requeue(verdict, asked.requested_by, self._row_first(verdict))
                     outcome = verdict.outcome
                     now = self._tell_backend(lease, verdict, (), retries, batched)
             except LeaseLost:
@@ -715,9 +714,9 @@ class DeliveryPipeline:
                 )
                 outcome = Outcome.LEASE_LOST
             else:
-                if now:  # else counted and recorded once its batch has written it (``requeued``)
+                if now:  # else counted once its batch has written it (``requeued``)
                     self._count(lease, verdict)
-                    self._recorded(lease, verdict, batched)
+                    self._recorded(lease, verdict)
         retried = outcome is Outcome.REQUEUED and verdict.count_run
         result = WorkerResult(
             outcome,
@@ -756,8 +755,12 @@ class DeliveryPipeline:
         elif outcome is Outcome.SKIPPED_IDEMPOTENT:
             self.retrying(self.backend.ack, retries, lease, count_run=False)
         elif outcome is Outcome.REQUEUED:
-            if count_run and batched and self.requeue_later is not None and self.requeue_later(lease, verdict):
-                return False
+            if self._row_first(verdict) and lease.envelope is not None:
+                # The retry must not be claimable before the row of this run exists.
+                row = self._attempt(lease.envelope, AttemptOutcome.RETRYING, verdict)
+                if batched and self.requeue_later is not None and self.requeue_later(lease, verdict, row):
+                    return False
+                self.record([row])
             self.retrying(
                 self.backend.nack, retries, lease, verdict.delay, error=verdict.error or "", count_run=count_run
             )
@@ -768,20 +771,16 @@ class DeliveryPipeline:
         return True
 
     def requeued(self, done: list[tuple[Lease, Verdict]]) -> None:
-        """Failed runs whose requeues a batch wrote (:attr:`requeue_later`): counted now, and
-        their attempts recorded in one statement."""
+        """Failed runs whose requeues a batch wrote (:attr:`requeue_later`): counted now (their
+        rows were written before the requeues)."""
         for lease, verdict in done:
             self._count(lease, verdict)
-        rows = [
-            self._attempt(lease.envelope, AttemptOutcome.RETRYING, verdict) for lease, verdict in done if lease.envelope
-        ]
-        self.record(rows)
 
     def requeue_refused(self, lease: Lease, verdict: Verdict, requested_by: str) -> None:
         """A failed run's requeue that its batch found refused (the job was asked to abort while
-        it ran): settled cancelled instead, its error kept. Never raises (the reaper settles a
-        cancel that could not be made)."""
-        cancelled = _instead_of_requeue(verdict, requested_by)
+        it ran): settled cancelled instead, its error kept, its row written over the
+        ``retrying`` one. Never raises (the reaper settles a cancel that could not be made)."""
+        cancelled = _instead_of_requeue(verdict, requested_by, amends=True)
         _quietly(lambda: self.settle(lease, cancelled), "settle as cancelled a failed run asked to abort")
 
     def retrying(self, action: Callable[_P, _R], pauses: tuple[float, ...], *args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -802,9 +801,13 @@ class DeliveryPipeline:
                 time.sleep(pause)
         return action(*args, **kwargs)
 
-    def _recorded(self, lease: Lease, verdict: Verdict, batched: bool) -> None:
-        """After a settle: the result and the attempt history, then the signals. ``batched``:
-        a requeue's row may wait for the batch's next write (:attr:`record_later`)."""
+    def _row_first(self, verdict: Verdict) -> bool:
+        """Is a failed run's row written before its requeue? In a run whose backend batches
+        requeues (:attr:`requeue_later` is set), so that no retry is claimable before it."""
+        return verdict.count_run and self.requeue_later is not None
+
+    def _recorded(self, lease: Lease, verdict: Verdict) -> None:
+        """After a settle: the result and the attempt history, then the signals."""
         outcome, env = verdict.outcome, lease.envelope
         if outcome is Outcome.REJECTED or env is None:
             emit(job_rejected, self.backend, message_id=lease.token, queue=lease.queue, reason=verdict.error or "")
@@ -817,12 +820,14 @@ class DeliveryPipeline:
             emit(job_succeeded, verdict.handler, envelope=env, attempt=attempt,
                  result=verdict.value, seconds=verdict.seconds)  # fmt: skip
         elif outcome is Outcome.REQUEUED and verdict.count_run:
-            if batched and self.record_later is not None:
-                self.record_later(self._attempt(env, AttemptOutcome.RETRYING, verdict))
-            else:
+            if not self._row_first(verdict):  # else written before the requeue
                 self._history(env, AttemptOutcome.RETRYING, verdict)
         elif outcome is Outcome.CANCELLED:
-            self._history(env, AttemptOutcome.CANCELLED, verdict, worker=verdict.requested_by)
+            row = self._attempt(env, AttemptOutcome.CANCELLED, verdict, verdict.requested_by)
+            if verdict.amends:
+                history.amend(row, self.backend.history_alias)
+            else:
+                self.record([row])
         elif outcome is Outcome.DEAD_LETTERED:
             if verdict.count_run:
                 self._history(env, AttemptOutcome.FAILED, verdict)
@@ -1008,9 +1013,10 @@ def abort_verdict(
     )
 
 
-def _instead_of_requeue(verdict: Verdict, who: str) -> Verdict:
+def _instead_of_requeue(verdict: Verdict, who: str, amends: bool) -> Verdict:
     """A requeue the backend refused because the job was asked to abort (the run failed, or was
-    deferred, before the heartbeat saw the request): it ends cancelled instead, its error kept."""
+    deferred, before the heartbeat saw the request): it ends cancelled instead, its error kept
+    (``amends``: its row replaces the ``retrying`` one written before the requeue)."""
     instead = abort_verdict(
         who,
         count_run=verdict.count_run,
@@ -1018,7 +1024,7 @@ def _instead_of_requeue(verdict: Verdict, who: str) -> Verdict:
         handler=verdict.handler,
         detail=verdict.error or "",
     )
-    return replace(instead, seconds=verdict.seconds, started_at=verdict.started_at)
+    return replace(instead, seconds=verdict.seconds, started_at=verdict.started_at, amends=amends)
 
 
 # What ``_admit`` says of a trusted delivery (the run decides its real verdict).

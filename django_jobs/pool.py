@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 from django.db import connections
@@ -43,9 +43,13 @@ PR_SET_PDEATHSIG = 1
 STARTING, RUNNING, FINISHED = 0, 1, 2
 # Deaths at start-up in a row after which the supervisor gives up.
 STARTUP_DEATHS = 5
-# A worker process's claims, shared with the supervisor:
-# "queue<US>owner token<US>lease token of the job in hand<US>its job id".
-CLAIMS_BYTES = 512
+# A worker process's claims, shared with the supervisor: "queue<US>owner token<US>lease token of
+# the job in hand<US>its job id", then "<US>lease token<US>job id" for each failed run whose
+# requeue waits for the batch (the job id left out where it is the token, as on the database and
+# Redis backends). Room for about 100 of those, ``PREFETCH``'s default, with ``HAND_ROOM`` kept
+# for the job in hand; past that, the next failed runs' requeues are written at once.
+CLAIMS_BYTES = 4096
+HAND_ROOM = 256
 SEPARATOR = "\x1f"
 # After a second SIGINT, a worker process still running this long (its job stuck where no
 # signal reaches it, or its hand-back held up by the backend) is killed; its job is recovered.
@@ -104,14 +108,15 @@ class WorkerPool:
         once: bool = False,
         sleep: float | None = None,
         on_result: Callable[[WorkerResult], None] | None = None,
-        recover: Callable[[str, str, str | None], object] | None = None,
+        recover: Callable[[str, str, Sequence[str]], object] | None = None,
         reap: Callable[[], object] | None = None,
         on_start: Callable[[], None] | None = None,
         on_stop: Callable[[], None] | None = None,
         sidecar: Sidecar | None = None,
     ) -> None:
-        """``recover(queue, owner_token, job_in_hand)`` is called when a worker process dies
-        holding claims (:func:`~django_jobs.reaper.recover_claims`); ``reap()``, the reaping of
+        """``recover(queue, owner_token, counted)`` is called when a worker process dies holding
+        claims (:func:`~django_jobs.reaper.recover_claims`), ``counted`` the lease tokens of its
+        job in hand and of its failed runs whose requeues were not written; ``reap()``, the reaping of
         the workers' queues at start, is called here once the first processes are forked, so
         none of them waits for it before its first claim (each reaps every ``LEASE_TIMEOUT``
         after that); ``on_start`` and ``on_stop`` run in each worker process before and after
@@ -281,7 +286,7 @@ class WorkerPool:
         if claims is None or self.recover is None:
             return
         try:
-            self.recover(claims.queue, claims.owner, claims.running)
+            self.recover(claims.queue, claims.owner, claims.counted)
         except Exception:
             logger.exception(
                 "could not recover the jobs of a dead worker process; their leases expire instead",
@@ -325,7 +330,7 @@ class WorkerPool:
         """A worker process's life, from its start (stop signals still blocked) to its stop;
         its exit status: 0, or ``EXIT_UNREACHABLE`` when a bounded run never reached the backend."""
         self._worker = worker = self.make_worker()
-        worker.in_hand = _recorder(claims)
+        worker.supervisor = Recorder(claims)
         state.value = RUNNING
         worker.exit_on_hard_timeout = True
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -368,15 +373,22 @@ class Claims(NamedTuple):
     owner: str
     running: str | None  # the lease token of the job in hand
     job_id: str | None  # and its job's id
+    failed: tuple[tuple[str, str], ...] = ()  # (lease token, job id or "") of each failed run not written
+
+    @property
+    def counted(self) -> list[str]:
+        """The lease tokens whose loss counts a run: the job in hand, the failed runs."""
+        return [token for token in (self.running, *(token for token, _ in self.failed)) if token]
 
     @staticmethod
     def read(shared: ctypes.Array[ctypes.c_char]) -> Claims | None:
-        """The claims written by :func:`_recorder`, or ``None`` when it held none."""
+        """The claims written by :class:`Recorder`, or ``None`` when it held none."""
         text = shared.value.decode(errors="replace")
         if not text:
             return None
-        queue, owner, running, job_id = text.split(SEPARATOR)
-        return Claims(queue, owner, running or None, job_id or None)
+        queue, owner, running, job_id, *failed = text.split(SEPARATOR)
+        pairs = tuple(zip(failed[::2], failed[1::2], strict=False))
+        return Claims(queue, owner, running or None, job_id or None, pairs)
 
 
 def _death_fields(claims: Claims | None) -> dict[str, Any]:
@@ -388,17 +400,59 @@ def _death_fields(claims: Claims | None) -> dict[str, Any]:
     return log_fields(claims.job_id, claims.queue, outcome="lost")
 
 
-def _recorder(claims: ctypes.Array[ctypes.c_char]) -> Callable[[Lease, bool], None]:
-    """The worker's ``in_hand``: keeps its latest claim, and the job it runs, where the
-    supervisor can read them after the process died (two shared-memory writes per job)."""
+class Recorder:
+    """A worker process's :class:`~django_jobs.worker.Supervisor`: keeps its latest claim, the
+    job it runs and its failed runs not written yet where the supervisor can read them after the
+    process died (two shared-memory writes per job, two more per failed run whose requeue waits
+    for the batch). The main thread and the heartbeat's both write: under a lock."""
 
-    def record(lease: Lease, running: bool) -> None:
-        job_id = lease.token if lease.envelope is None else lease.envelope.id
-        held = (lease.token, job_id) if running else ("", "")
-        text = SEPARATOR.join((lease.queue, lease.owner_token, *held)).encode()
-        claims.value = text if len(text) < CLAIMS_BYTES else b""  # too long to keep: the leases expire
+    def __init__(self, shared: ctypes.Array[ctypes.c_char]) -> None:
+        self.shared = shared
+        self._claim = ("", "")  # queue, owner token of the latest lease
+        self._running = ("", "")  # lease token, job id of the job in hand
+        self._failed: dict[str, str] = {}  # lease token -> job id, of the failed runs not written
+        self._lock = threading.Lock()
 
-    return record
+    def in_hand(self, lease: Lease, running: bool) -> None:
+        with self._lock:
+            self._claim = (lease.queue, lease.owner_token)
+            self._running = (lease.token, _job_id(lease)) if running else ("", "")
+            if not self._keep(self._text()):
+                self.shared.value = b""  # too long to keep: the leases expire
+
+    def unwritten(self, lease: Lease) -> bool:
+        with self._lock:
+            if (lease.queue, lease.owner_token) != self._claim:  # another claim's: recovered apart
+                return False
+            job_id = _job_id(lease)
+            self._failed[lease.token] = "" if job_id == lease.token else job_id
+            if self._keep(self._text(), HAND_ROOM):
+                return True
+            del self._failed[lease.token]
+            return False
+
+    def written(self, leases: Iterable[Lease]) -> None:
+        with self._lock:
+            before = len(self._failed)
+            for lease in leases:
+                self._failed.pop(lease.token, None)
+            if len(self._failed) != before:
+                self._keep(self._text())
+
+    def _text(self) -> bytes:
+        failed = [part for pair in self._failed.items() for part in pair]
+        return SEPARATOR.join((*self._claim, *self._running, *failed)).encode()
+
+    def _keep(self, text: bytes, room: int = 0) -> bool:
+        """Write ``text`` where ``room`` bytes more would still fit; ``False`` if it would not."""
+        if len(text) + room >= CLAIMS_BYTES:
+            return False
+        self.shared.value = text
+        return True
+
+
+def _job_id(lease: Lease) -> str:
+    return lease.token if lease.envelope is None else lease.envelope.id
 
 
 def _die_with_parent(parent: int) -> None:

@@ -81,14 +81,15 @@ class Reaper:
                 time.sleep(max(min(0.1, end - time.monotonic()), 0))
 
 
-def recover_claims(backend: QueueBackend | str | None, queue: str, owner_token: str, running: str | None) -> int:
+def recover_claims(backend: QueueBackend | str | None, queue: str, owner_token: str, counted: Sequence[str]) -> int:
     """A worker process died holding the claims of ``owner_token`` on ``queue`` (its
-    supervisor saw it die): they are recovered now, not one lease timeout later. ``running``,
-    the job it had in hand, counts a lost run (so a job that kills its worker ends failed after
-    ``max_retries + 1`` runs); the jobs it had claimed ahead go back uncounted. Returns how many
-    leases were recovered."""
+    supervisor saw it die): they are recovered now, not one lease timeout later. Each of
+    ``counted`` (the job it had in hand, and its failed runs whose requeues were not written
+    yet) counts a lost run, so a job that kills its worker, or fails just before its worker
+    dies, ends failed after ``max_retries + 1`` runs; the jobs it had claimed ahead and not run
+    go back uncounted. Returns how many leases were recovered."""
     target = backend if isinstance(backend, QueueBackend) else get_backend(backend)
-    target.lose_claims(queue, owner_token, running)
+    target.lose_claims(queue, owner_token, counted)
     return Reaper(target, [queue]).reap_once()
 
 

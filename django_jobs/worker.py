@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from . import conf
@@ -59,6 +59,22 @@ class Budget(Protocol):
     def take(self) -> bool: ...
 
     def give_back(self) -> None: ...
+
+
+class Supervisor(Protocol):
+    """A pool's supervisor, told what a worker process holds, so that it can recover the
+    claims of a process that died (:func:`~django_jobs.reaper.recover_claims`)."""
+
+    def in_hand(self, lease: Lease, running: bool) -> None:
+        """Before (``True``) and after (``False``) each delivery of ``lease``."""
+
+    def unwritten(self, lease: Lease) -> bool:
+        """A failed run of ``lease`` whose requeue waits for the batch's next write: counted as
+        a lost run if the process dies first. ``False`` when it cannot be kept (its requeue is
+        then written at once)."""
+
+    def written(self, leases: Iterable[Lease]) -> None:
+        """The requeues of ``leases`` were written (or given up): no longer counted here."""
 
 
 class RunLimits:
@@ -146,9 +162,9 @@ class QueueWorker:
             history=Deferred(self.backend.history_alias),
         )
         self.pipeline.keep_alive.append(self.batches.extend)
-        # Told of each lease before its delivery (``True``) and after it (``False``): a pool's
-        # supervisor recovers the claims of a worker process that died (``recover_claims``).
-        self.in_hand: Callable[[Lease, bool], None] | None = None
+        # A pool's supervisor, told of each delivery and of the failed runs whose requeues wait
+        # for the batch: it recovers the claims of a worker process that died.
+        self.supervisor: Supervisor | None = None
         # Read by the presence thread (:mod:`~django_jobs.presence`), written here only: the
         # job in hand (its id, ``time.time()`` when it started, and its name or else its handler)
         # and the deliveries so far per (queue, outcome), which only ever grow.
@@ -175,20 +191,20 @@ class QueueWorker:
 
     def process(self, lease: Lease) -> WorkerResult:
         """Verify, run and settle one fetched lease. Never raises for a job's own failure."""
-        envelope, in_hand = lease.envelope, self.in_hand
+        envelope, supervisor = lease.envelope, self.supervisor
         if envelope is None:
             self.current = (lease.token, time.time(), "")
         else:
             self.current = (envelope.id, time.time(), envelope.name or envelope.handler)
-        if in_hand is not None:
-            in_hand(lease, True)
+        if supervisor is not None:
+            supervisor.in_hand(lease, True)
         try:
             result = self.pipeline.process(lease)
         finally:
             self.current = None
             self.batches.ended(lease)
-            if in_hand is not None:
-                in_hand(lease, False)
+            if supervisor is not None:
+                supervisor.in_hand(lease, False)
         key = (lease.queue, result.status)
         tally = self.tally
         tally[key] = tally.get(key, 0) + 1
@@ -246,14 +262,13 @@ class QueueWorker:
         next_reap = time.monotonic() + (0 if reap_at_start else self.lease_seconds) if reaper else math.inf
         outages, reached, self.unreachable = 0, False, None
         self.batching = self.prefetch > 1 and self.backend.can_prefetch()
-        self.batches.tickets = limits
+        self.batches.tickets, self.batches.supervisor = limits, self.supervisor
         if self.batching:
             self.pipeline.ack = self.batches.ack_later
             self.pipeline.on_start = self.batches.started
             self.pipeline.record = self.batches.history.write
             if self.backend.batches_requeues:
                 self.pipeline.requeue_later = self.batches.requeue_later
-                self.pipeline.record_later = self.batches.record_later
         elif self.backend.pipelines_ack_fetch:
             self.pipeline.ack = lambda lease: self._ack_and_lease_next(lease, limits)
         self.heartbeat.start()
@@ -295,10 +310,9 @@ class QueueWorker:
             self.pipeline.on_start = None
             self.pipeline.requeue_later = None
             self.pipeline.on_backend_error = None
-            self.batches.finish()  # its requeues' rows are written after the ones it keeps
+            self.batches.finish()  # the rows it keeps, then its acks and requeues
             self.pipeline.record = self.pipeline.record_now
-            self.pipeline.record_later = None
-            self.batches.tickets = None
+            self.batches.tickets = self.batches.supervisor = None
             self.heartbeat.stop()
             self.batching = False
         return limits.done

@@ -437,12 +437,13 @@ class QueueBackend(ABC):
         asked to abort is not handed back: ``AbortRequested``, as from :meth:`nack`."""
         self.nack(lease, 0, count_run=False)
 
-    def lose_claims(self, queue: str, owner_token: str, running: str | None) -> None:
+    def lose_claims(self, queue: str, owner_token: str, counted: Sequence[str]) -> None:
         """The worker that claimed jobs of ``queue`` under ``owner_token`` died, as its
         supervisor saw: every lease of that claim expires now, so the next ``reap_expired``
-        recovers them at once, and ``running`` (the job it had in hand, if any) is no longer
-        claimed ahead, so its loss counts as a run. Brokers that expire leases themselves
-        (``native_lease``) have nothing to do."""
+        recovers them at once, and the leases ``counted`` (the job it had in hand, and its
+        failed runs whose requeues were not written yet) are no longer claimed ahead, so the
+        loss of each counts as a run. Brokers that expire leases themselves (``native_lease``)
+        have nothing to do."""
 
     def purge_failed(self, queue: str, older_than: timedelta | None = None) -> int:
         """Forget failed messages kept by the broker itself (``jobs_purge --status failed``).

@@ -751,12 +751,14 @@ class DatabaseBackend(LimitedBackend):
             dependencies.record(resolution, self.alias)
         return done
 
-    def lose_claims(self, queue: str, owner_token: str, running: str | None) -> None:
+    def lose_claims(self, queue: str, owner_token: str, counted: Sequence[str]) -> None:
         # The in-progress rows are few, and the lease index holds only them.
+        tokens = list(counted) or [""]
         self._execute_queue(
-            f"UPDATE {TABLE} SET leased_until = %s, claimed_ahead = CASE WHEN id = %s THEN 0 ELSE claimed_ahead END "
+            f"UPDATE {TABLE} SET leased_until = %s, claimed_ahead = CASE WHEN id IN "
+            f"({', '.join(['%s'] * len(tokens))}) THEN 0 ELSE claimed_ahead END "
             f"WHERE status = 'in_progress' AND queue = %s AND owner_token = %s",
-            [self._adapt(timezone.now() - timedelta(seconds=1)), running or "", queue, owner_token],
+            [self._adapt(timezone.now() - timedelta(seconds=1)), *tokens, queue, owner_token],
         )
 
     def _hand_back(self, job: Job, now: datetime) -> int:

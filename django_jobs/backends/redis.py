@@ -500,8 +500,8 @@ class RedisBackend(LimitedBackend):
                 return LiveJob("in_progress" if leased is not None else "pending", envelope)
         return None
 
-    def lose_claims(self, queue: str, owner_token: str, running: str | None) -> None:
-        self._run("lose", queue, owner_token, running or "", _ms())
+    def lose_claims(self, queue: str, owner_token: str, counted: Sequence[str]) -> None:
+        self._run("lose", queue, owner_token, _ms(), *counted)
 
     def extend(self, lease: Lease, seconds: float) -> str | None:
         return self._prolong(lease, seconds, begin=False)

@@ -296,6 +296,41 @@ def test_a_run_that_fails_after_the_abort_before_a_beat_ends_cancelled_not_retri
     assert worker.process_once().status == "empty"  # no retry
 
 
+class TellingSupervisor:
+    """A pool's supervisor, as a batching run tells it of its failed runs not written yet."""
+
+    def in_hand(self, lease: Any, running: bool) -> None:
+        pass
+
+    def unwritten(self, lease: Any) -> bool:
+        return True
+
+    def written(self, leases: Any) -> None:
+        pass
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)  # the run batches outside it
+@pytest.mark.parametrize("supervised", [True, False], ids=["requeue-with-the-batch", "requeue-at-once"])
+def test_a_fast_failure_asked_to_abort_in_a_batching_run_leaves_one_cancelled_row(backend, self_aborting, supervised):
+    """The run's row is written before its requeue (so that no retry is claimable before it);
+    the requeue is refused, the job asked to abort: that row becomes the cancelled one."""
+    self_aborting(60)
+    job_id = Jobs.define("aborts-itself", {"beat": False, "fail": True}).max_retries(3).dispatch(backend=backend)
+    WORKER["worker"] = worker = QueueWorker(backend, prefetch=10)
+    worker.supervisor = TellingSupervisor() if supervised else None
+    results: list[Any] = []
+
+    assert worker.run(once=True, on_result=results.append, reap=False) == 1
+
+    assert SEEN == [False]
+    assert (row(backend, job_id).status, row(backend, job_id).attempts) == ("cancelled", 1)
+    # With the batch, the refusal is found after the run's result (its requeue waited for the write).
+    assert [result.status for result in results] == ["requeued" if supervised else "cancelled"]
+    [attempt] = JobAttempt.objects.using(alias(backend)).filter(job_id=job_id)
+    assert (attempt.attempt, attempt.outcome, attempt.worker_id) == (1, "cancelled", "api")
+    assert attempt.error.splitlines()[0] == "Aborted by api" and "RuntimeError: boom" in attempt.error
+
+
 @pytest.mark.parametrize("check", ["extend", "begin"])
 def test_an_abort_the_start_check_finds_keeps_the_job_from_running(backend, check):
     job_id = scripted.using(backend=backend, max_retries=3).dispatch(action="ok", key="never", db=alias(backend))
@@ -346,7 +381,7 @@ def test_the_reaper_cancels_a_job_asked_to_abort_whose_worker_was_lost(backend, 
     queue = Jobs.backend(backend)
     [lease] = queue.fetch_many("default", 5) if claim == "ahead" else [queue.fetch("default")]
     assert Jobs.abort(job_id, "ops") == "aborting"
-    queue.lose_claims("default", lease.owner_token, lease.token if claim == "single" else None)
+    queue.lose_claims("default", lease.owner_token, [lease.token] if claim == "single" else [])
 
     assert Reaper(queue, ["default"]).reap_once() == 1
 
@@ -554,7 +589,7 @@ def test_redis_the_reaper_cancels_a_job_asked_to_abort_whose_worker_was_lost(
     queue = Jobs.backend("redis")
     [lease] = queue.fetch_many("default", 5) if claim == "ahead" else [queue.fetch("default")]
     assert Jobs.abort(job_id, "ops") == "aborting"
-    queue.lose_claims("default", lease.owner_token, lease.token if claim == "single" else None)
+    queue.lose_claims("default", lease.owner_token, [lease.token] if claim == "single" else [])
 
     assert Reaper(queue, ["default"]).reap_once() == 1
 

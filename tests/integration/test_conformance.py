@@ -995,7 +995,7 @@ def test_lost_claims_are_recovered_at_once_counting_only_the_job_in_hand(queue_b
     batch = queue_backend.fetch_many("default", 3)
     [elsewhere] = queue_backend.fetch_many("default", 3)  # another worker's claim: untouched
 
-    queue_backend.lose_claims("default", batch[0].owner_token, batch[1].token)
+    queue_backend.lose_claims("default", batch[0].owner_token, [batch[1].token])
 
     assert queue_backend.reap_expired("default") == 3
     redelivered = {lease.envelope.id: lease for lease in queue_backend.fetch_many("default", 5)}
@@ -1006,6 +1006,26 @@ def test_lost_claims_are_recovered_at_once_counting_only_the_job_in_hand(queue_b
         assert redelivered[env.id].envelope.attempts == 0 and redelivered[env.id].must_begin
     queue_backend.ack(elsewhere)  # still held by its own claim
     assert elsewhere.envelope.id == other.id
+
+
+def test_lost_claims_count_the_job_in_hand_and_the_failed_runs_not_written(queue_backend, backend_case):
+    """A worker process died with its job in hand and failed runs whose requeues waited for its
+    batch's write: each of them counts a lost run, the job claimed ahead and not run does not."""
+    require_prefetch(queue_backend)
+    envs = [enqueue(queue_backend, backend_case, max_retries=1) for _ in range(3)]
+    batch = queue_backend.fetch_many("default", 3)
+
+    queue_backend.lose_claims("default", batch[0].owner_token, [batch[2].token, batch[0].token])
+
+    assert queue_backend.reap_expired("default") == 3
+    redelivered = {lease.envelope.id: lease for lease in queue_backend.fetch_many("default", 5)}
+    assert {env.id: redelivered[env.id].envelope.attempts for env in envs} == {
+        envs[0].id: 1,
+        envs[1].id: 0,
+        envs[2].id: 1,
+    }
+    assert [a.outcome for a in history_of(queue_backend, envs[0].id)] == ["lost"]
+    assert history_of(queue_backend, envs[1].id) == []
 
 
 def test_release_hands_a_claimed_job_back_uncounted(queue_backend, backend_case):

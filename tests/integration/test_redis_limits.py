@@ -193,7 +193,7 @@ def test_the_reaper_frees_the_slots_of_a_lease_it_recovers(backend, settings):
     [limit] = limits.limits_for("tests.testapp.jobs.scripted", "default")
     crashed, other = leases(backend, 2)
     assert backend.acquire(crashed, [limit]) is None
-    backend.lose_claims("default", crashed.owner_token, crashed.token)  # its supervisor saw it die
+    backend.lose_claims("default", crashed.owner_token, [crashed.token])  # its supervisor saw it die
 
     assert backend.reap_expired("default") == 1
 

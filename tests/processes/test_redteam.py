@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from django_jobs.history import attempts_of
 from django_jobs.models import Job, JobStatus
 from tests.procs import processes, wait_until, worker_env
 from tests.testapp.jobs import scripted
@@ -63,3 +64,39 @@ def test_redteam_fast_failure_then_worker_death_never_runs_the_job_uncounted(bat
         runs = [line for line in worker.job_lines() if a in line and line.split()[0] in FINAL]
         assert len(runs) <= 2, f"job {a} (max_retries=1) ran {len(runs)} times\n{worker.output()}"
         assert jobs.get(id=a).attempts == 2
+
+
+@pytest.mark.slow
+@PROCESS_DB
+def test_redteam_fast_failures_kept_for_the_batch_then_worker_death_each_counted_once(batched_backend):
+    """docs/leases.md: a failed run whose requeue waits for the batch's write is known to the
+    supervisor, which counts it as a lost run if the process dies first.
+
+    Attack: several jobs fail within microseconds of their starts, one after the other in one
+    batch (their requeues and rows kept for the batch's next write), and the next job kills the
+    worker process. Each failed run counts once: with ``max_retries=1``, each job runs exactly
+    twice, its history lists attempts 1 and 2 in order, and no job is lost."""
+    backend, alias = batched_backend
+    failing = [scripted.using(backend=backend, max_retries=1, priority=10).dispatch(action="raise") for _ in range(4)]
+    killer = scripted.using(backend=backend, max_retries=0).dispatch(action="exit")
+    jobs = Job.objects.using(alias)
+    with processes() as procs:
+        worker = procs.worker("--backend", backend, env=worker_env())
+
+        def settled() -> bool:
+            return jobs.filter(id__in=[*failing, killer], status=JobStatus.FAILED).count() == len(failing) + 1
+
+        wait_until(settled, 60, "every job to end failed")
+        assert worker.stop() == 0, worker.output()
+    assert "died with status 3" in worker.output()
+    for job_id in failing:
+        runs = [line for line in worker.job_lines() if job_id in line and line.split()[0] in FINAL]
+        assert len(runs) <= 2, f"job {job_id} (max_retries=1) ran {len(runs)} times\n{worker.output()}"
+        assert jobs.get(id=job_id).attempts == 2
+        # In order. (A death between the batch's write of the rows and its requeues leaves the
+        # first run both a "retrying" row and the supervisor's "lost" one.)
+        attempts = [(a.attempt, a.outcome) for a in attempts_of(job_id, using=alias)]
+        numbers = [number for number, _ in attempts]
+        assert numbers == sorted(numbers) and set(numbers) == {1, 2}, attempts
+        assert {outcome for number, outcome in attempts if number == 1} <= {"retrying", "lost"}, attempts
+        assert attempts[-1] == (2, "failed"), attempts

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
+from django_jobs.history import attempts_of
 from django_jobs.tasks import TaskResultStatus
 from tests.procs import processes, wait_until, worker_env
 from tests.testapp import tasks as t
@@ -146,3 +147,33 @@ def test_priority_orders_waiting_tasks_and_run_after_defers_one(engine):
     assert deferred.task.run_after == run_after
     # Redis keeps due times in whole milliseconds.
     assert deferred.started_at >= run_after.replace(microsecond=run_after.microsecond // 1000 * 1000)
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param(
+            "pg",
+            id="database-postgresql",
+            marks=[pytest.mark.postgres, pytest.mark.django_db(databases=["default", "postgres"], transaction=True)],
+        ),
+        pytest.param("redis", id="redis", marks=pytest.mark.django_db(transaction=True)),
+    ],
+    indirect=True,
+)
+def test_fast_failures_retried_at_once_by_two_processes_see_every_earlier_attempt(engine):
+    """A task that fails within microseconds of its start, its retries due at once (backoff
+    "none"), run by two worker processes that batch their writes: each retry starts only once
+    the row of the run before it is written, whichever process ran that one, so each
+    ``task_started`` sees every earlier error and the history lists the attempts in order."""
+    with processes() as procs:
+        worker = procs.worker("--backend", engine, "--concurrency", "2", env=worker_env())
+        results = [t.flaky.using(backend=engine).enqueue(fail_times=3) for _ in range(8)]
+        wait_until(lambda: finished(*results), FINISH_TIMEOUT, "eight finished tasks")
+        assert worker.stop() == 0, worker.output()
+    db = RECORDS_DB[engine]
+    for result in results:
+        assert (result.status, result.attempts, len(result.errors)) == (TaskResultStatus.SUCCESSFUL, 4, 3)
+        started = [(status, attempt) for status, attempt, _ in notes("started", result, engine)]
+        assert started == [(f"RUNNING:{n}", n + 1) for n in range(4)], started
+        assert [a.attempt for a in attempts_of(result.id, using=db)] == [1, 2, 3, 4]

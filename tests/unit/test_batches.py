@@ -2,8 +2,8 @@
 half an ack interval after the handler's start, so that the start is written within one ack
 interval (``BATCH_SECONDS``) even with the write's own time. Checked on the schedule the batch
 asks of the heartbeat (a recording stand-in), not on a clock. And a failed run's requeue: held
-for the batch's write, then counted and recorded, or settled cancelled if the job was asked to
-abort."""
+for the batch's write, then counted, or settled cancelled if the job was asked to
+abort; its attempt row written before the requeue."""
 
 from __future__ import annotations
 
@@ -113,13 +113,36 @@ def failed() -> Verdict:
     return Verdict(Outcome.REQUEUED, "RuntimeError: boom", delay=0.0)
 
 
-def test_a_failed_run_is_requeued_with_the_batch_then_recorded() -> None:
+def row(token: str) -> dict[str, Any]:
+    return history.attempt_row(token, 1, AttemptOutcome.RETRYING)
+
+
+class TellingSupervisor:
+    """A pool's supervisor as the batch tells it: the failed runs not written, up to ``room``."""
+
+    def __init__(self, room: int = 10) -> None:
+        self.room, self.unwritten_runs = room, set()
+
+    def in_hand(self, lease: Lease, running: bool) -> None:
+        pass
+
+    def unwritten(self, lease: Lease) -> bool:
+        if len(self.unwritten_runs) >= self.room:
+            return False
+        self.unwritten_runs.add(lease.token)
+        return True
+
+    def written(self, leases: Any) -> None:
+        self.unwritten_runs -= {lease.token for lease in leases}
+
+
+def test_a_failed_run_is_requeued_with_the_batch_then_counted() -> None:
     heartbeat, outcomes = RecordingHeartbeat(), []
     backend = SettlingBackend({"a": True, "b": False, "c": "admin"})
     held = batches(heartbeat, backend, outcomes)
-    assert all(held.requeue_later(lease(token), failed()) for token in "abc")
+    assert all(held.requeue_later(lease(token), failed(), row(token)) for token in "abc")
     assert heartbeat.timer is not None  # written within an ack interval
-    assert not backend.calls and not outcomes  # nothing written or recorded yet
+    assert not backend.calls and not outcomes  # nothing written or counted yet
     held.flush()
     assert backend.calls == [([], ["a", "b", "c"])]
     assert outcomes == [("refused", "c", "admin"), ("requeued", "a")]  # "b" was lost: neither
@@ -131,41 +154,90 @@ def test_a_lease_past_half_its_time_is_requeued_at_once() -> None:
     held = batches(RecordingHeartbeat())
     late = lease("late")
     late.expires_at = timezone.now() + timedelta(seconds=10)
-    assert not held.requeue_later(late, failed())
-    assert not held._requeues
+    assert not held.requeue_later(late, failed(), row("late"))
+    assert not held._requeues and not held.history
 
 
-def test_a_failed_run_whose_start_is_not_written_is_requeued_at_once() -> None:
-    """Its process could die before the batch's next write (the next job kills it): its
-    supervisor counts only the job then in hand, so this run would go back uncounted."""
+def test_a_failed_run_whose_start_is_not_written_is_requeued_at_once_without_a_supervisor() -> None:
+    """Its process could die before the batch's next write (the next job kills it), and nobody
+    would count it: its claim ahead goes back uncounted when the reaper finds it."""
     heartbeat = RecordingHeartbeat()
     held = batches(heartbeat)
     quick = lease("quick")
     held.started(quick)
-    assert not held.requeue_later(quick, failed())
-    assert not held._requeues
+    assert not held.requeue_later(quick, failed(), row("quick"))
+    assert not held._requeues and not held.history
     held.ended(quick)
     written = lease("written")
     held.started(written)
     held._begun.clear()  # as the heartbeat's write of its start does
-    assert held.requeue_later(written, failed())
+    assert held.requeue_later(written, failed(), row("written"))
 
 
-def test_the_row_of_a_run_requeued_at_once_waits_for_the_batchs_next_write(monkeypatch) -> None:
-    """One statement for the rows of a batch's failed runs, not one each: the row is kept, the
-    write scheduled within an ack interval, and written then."""
-    written: list[list[str]] = []
-    monkeypatch.setattr(history, "record_many", lambda rows, using=None: written.append([r["job_id"] for r in rows]))
-    heartbeat = RecordingHeartbeat()
-    held = batches(heartbeat)
-    held.record_later(history.attempt_row("a", 1, "retrying"))
-    held.record_later(history.attempt_row("b", 1, "retrying"))
-    assert heartbeat.timer is not None and heartbeat.timer[0] <= time.monotonic() + BATCH_SECONDS
-    assert not written
-    heartbeat.timer[1]()  # the heartbeat's write
-    assert written == [["a", "b"]]
+def test_a_supervisor_told_of_the_failed_run_lets_it_wait_for_the_batch() -> None:
+    """Under a pool, the supervisor counts the failed runs it was told of if the process dies:
+    the requeue waits for the batch, and the supervisor forgets it once written. A supervisor
+    with no room left: the requeue is written at once."""
+    backend = SettlingBackend({"quick": True, "full": True})
+    held, supervisor = batches(RecordingHeartbeat(), backend), TellingSupervisor(room=1)
+    held.supervisor = supervisor
+    quick, full = lease("quick"), lease("full")
+    held.started(quick)
+    assert held.requeue_later(quick, failed(), row("quick"))
+    assert supervisor.unwritten_runs == {"quick"}
+    held.started(full)
+    assert not held.requeue_later(full, failed(), row("full"))  # no room: written at once
     held.flush()
-    assert written == [["a", "b"]]  # written once
+    assert backend.calls == [([], ["quick"])]
+    assert supervisor.unwritten_runs == set()
+
+
+class OrderRecorder:
+    """What reaches the database, in order: history rows and the batch's settles."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.events: list[tuple[str, list[str]]] = []
+        monkeypatch.setattr(history, "record_many", lambda rows, using=None: self.rows(rows))
+
+    def rows(self, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            self.events.append(("rows", [r["job_id"] for r in rows]))
+
+    def settle_many(self, acks: list[Lease], begun: Any, requeues: list[Requeue]) -> Settled:
+        self.events.append(("settle", [requeue.lease.token for requeue in requeues]))
+        return [], [True] * len(requeues)
+
+    def settle_many_and_fetch(
+        self, acks: list[Lease], requeues: list[Requeue], queue: str, limit: int
+    ) -> tuple[list[Lease], list[Requeued], list[Lease]]:
+        lost, done = self.settle_many(acks, (), requeues)
+        return lost, done, []
+
+
+@pytest.mark.parametrize("write", ["heartbeat", "claim", "finish"])
+def test_the_rows_of_the_requeues_are_written_before_the_settle_makes_the_retries_claimable(
+    monkeypatch: pytest.MonkeyPatch, write: str
+) -> None:
+    """Whichever write takes them (the heartbeat's ``_watch``, the next claim, the run's end),
+    the rows a batch keeps (a run's requeued at once among them) go in one statement before the
+    settle of its requeues: a retry is never claimable before its row exists."""
+    backend, heartbeat = OrderRecorder(monkeypatch), RecordingHeartbeat()
+    held = batches(heartbeat, backend)
+    held.supervisor = TellingSupervisor()
+    held.tickets = type("Unlimited", (), {"reserve": lambda *a: 0, "give_back": lambda *a: None})()
+    held.history.later(row("earlier"))  # a run requeued at once: its row kept
+    for token in "ab":
+        started = lease(token)
+        held.started(started)
+        assert held.requeue_later(started, failed(), row(token))
+    if write == "heartbeat":
+        assert heartbeat.timer is not None
+        heartbeat.timer[1]()
+    elif write == "claim":
+        held.claim(["default"], stopping=False)
+    else:
+        held.finish()
+    assert backend.events == [("rows", ["earlier", "a", "b"]), ("settle", ["a", "b"])]
 
 
 @pytest.mark.django_db
