@@ -701,7 +701,7 @@ class DeliveryPipeline:
                 try:
                     now = self._tell_backend(lease, verdict, on_success or (), retries, batched)
                 except AbortRequested as asked:  # a requeue refused: the job was asked to abort
-                    verdict = _instead_of_requeue(verdict, asked.requested_by, self._row_first(verdict))
+                    verdict = _instead_of_requeue(verdict, asked.requested_by, verdict.count_run)
                     outcome = verdict.outcome
                     now = self._tell_backend(lease, verdict, (), retries, batched)
             except LeaseLost:
@@ -755,7 +755,7 @@ class DeliveryPipeline:
         elif outcome is Outcome.SKIPPED_IDEMPOTENT:
             self.retrying(self.backend.ack, retries, lease, count_run=False)
         elif outcome is Outcome.REQUEUED:
-            if self._row_first(verdict) and lease.envelope is not None:
+            if count_run and lease.envelope is not None:
                 # The retry must not be claimable before the row of this run exists.
                 row = self._attempt(lease.envelope, AttemptOutcome.RETRYING, verdict)
                 if batched and self.requeue_later is not None and self.requeue_later(lease, verdict, row):
@@ -801,11 +801,6 @@ class DeliveryPipeline:
                 time.sleep(pause)
         return action(*args, **kwargs)
 
-    def _row_first(self, verdict: Verdict) -> bool:
-        """Is a failed run's row written before its requeue? In a run whose backend batches
-        requeues (:attr:`requeue_later` is set), so that no retry is claimable before it."""
-        return verdict.count_run and self.requeue_later is not None
-
     def _recorded(self, lease: Lease, verdict: Verdict) -> None:
         """After a settle: the result and the attempt history, then the signals."""
         outcome, env = verdict.outcome, lease.envelope
@@ -819,9 +814,6 @@ class DeliveryPipeline:
                 self._history(env, AttemptOutcome.COMPLETED, verdict)
             emit(job_succeeded, verdict.handler, envelope=env, attempt=attempt,
                  result=verdict.value, seconds=verdict.seconds)  # fmt: skip
-        elif outcome is Outcome.REQUEUED and verdict.count_run:
-            if not self._row_first(verdict):  # else written before the requeue
-                self._history(env, AttemptOutcome.RETRYING, verdict)
         elif outcome is Outcome.CANCELLED:
             row = self._attempt(env, AttemptOutcome.CANCELLED, verdict, verdict.requested_by)
             if verdict.amends:
