@@ -22,6 +22,7 @@ import inspect
 import linecache
 import logging
 import os
+import re
 import sys
 import time
 import traceback
@@ -195,6 +196,10 @@ class JobContext:
         return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
 
 
+# What no backend can store in a text: U+0000 and lone surrogates.
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
 def format_error(exc: BaseException) -> str:
     """``ExceptionClass: message`` followed by the traceback, bounded in size.
 
@@ -207,8 +212,15 @@ def format_error(exc: BaseException) -> str:
     trace = _lone_traceback(exc, message) if plain else None
     if trace is None:
         trace = "".join(_plain(traceback.TracebackException.from_exception(exc)).format())
-    text = f"{type(exc).__name__}: {message}\n" + trace
+    text = storable(f"{type(exc).__name__}: {message}\n" + trace)
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 20] + "\n... (truncated)"
+
+
+def storable(text: str) -> str:
+    """``text`` as every backend can store it: U+0000 (which PostgreSQL refuses) and lone
+    surrogates (which no UTF-8 encoder takes) replaced by U+FFFD. An exception's message may
+    hold either; written as it is, its settle would fail like an outage, again and again."""
+    return _UNSTORABLE.sub("\ufffd", text)
 
 
 # Exceptions whose last line Python adds to (a "Did you mean" hint, a syntax error's place).
@@ -838,7 +850,7 @@ class DeliveryPipeline:
     def _attempt(env: Envelope, outcome: str, verdict: Verdict, worker: str | None = None) -> dict[str, Any]:
         """The attempt-history row of the run of ``env`` that ``verdict`` settled."""
         exc = verdict.exception
-        error_class = history.error_class(exc) if exc is not None else ""
+        error_class = storable(history.error_class(exc)) if exc is not None else ""
         return history.attempt_row(
             env.id,
             env.attempts + 1,

@@ -1244,6 +1244,27 @@ def test_each_failed_attempt_enters_the_history_with_its_error(queue_backend, ba
         assert attempt.started_at is not None and attempt.started_at <= attempt.finished_at
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "batched"])
+def test_an_error_no_database_can_store_is_kept_with_replacement_characters(queue_backend, backend_case, batched):
+    # A message with U+0000 (PostgreSQL refuses it) and a lone surrogate (no UTF-8 encoder takes
+    # it): written as it is, the settle failed like an outage, for ever, and held up its batch.
+    env = enqueue(queue_backend, backend_case, key=unique(), action="unstorable", max_retries=1)
+    if holds_messages(queue_backend):
+        if batched:
+            assert QueueWorker(queue_backend, ["default"]).run(max_jobs=2, sleep=0.01, reap=False, max_time=30) == 2
+        else:
+            assert drain(queue_backend) == ["requeued", "dead-lettered"]
+        expected = [(1, "retrying"), (2, "failed")]
+    else:
+        expected = [(1, "failed")]
+    attempts = history_of(queue_backend, env.id)
+    assert [(a.attempt, a.outcome) for a in attempts] == expected
+    text = "RuntimeError: nul \ufffd and half \ufffd a pair"
+    assert all(a.error.startswith(text) for a in attempts)
+    if backend_case.record:
+        assert record(backend_case, queue_backend, env.id).last_error.startswith(text)
+
+
 def test_a_success_writes_no_history_unless_the_job_keeps_its_result(queue_backend, backend_case):
     plain = enqueue(queue_backend, backend_case, key=unique())
     kept = (
