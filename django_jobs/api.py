@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -38,6 +37,7 @@ from .envelope import (
     PayloadProblem,
     a_type,
     check_keys,
+    check_storable,
     dumps_payload,
     new_id,
     payload_problem,
@@ -56,8 +56,6 @@ from .signals import emit, job_dispatching
 if TYPE_CHECKING:
     from .pipeline import JobContext
 
-# A JSON-escaped U+0000: "\u0000" after an even number of backslashes.
-_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -280,8 +278,7 @@ class JobBuilder:
             call: dict[str, Any] = cast("dict[str, Any]", self._payload)  # a @job payload: {"args", "kwargs"}
             self._function.check_call(tuple(call["args"]), call["kwargs"], parent_result="result_of" in opts)
         text = self._encoded()
-        if _ESCAPED_NUL.search(text):
-            raise InvalidPayload("payload contains U+0000, which PostgreSQL cannot store; encode binary data")
+        check_storable(self._payload, text)
         if len(text) > defaults.max_bytes:  # cheap early refusal; the whole message is checked below
             raise InvalidPayload(f"payload of {len(text)} bytes exceeds JOBS['MAX_MESSAGE_BYTES']")
         now = timezone.now()

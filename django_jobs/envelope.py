@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from itertools import chain
@@ -29,6 +30,25 @@ def dumps_payload(payload: Any) -> str:
     except (TypeError, ValueError, RecursionError) as exc:
         problem = payload_problem(payload, "payload")
         raise InvalidPayload(f"job payload is not JSON-serialisable: {problem.text if problem else exc}") from exc
+
+
+# A JSON-escaped U+0000: "\u0000" after an even number of backslashes.
+_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def check_storable(value: Any, text: str) -> None:
+    """Refuse a payload or kept result (``text``: its JSON) that holds U+0000, which PostgreSQL
+    cannot store, or a lone surrogate, which no UTF-8 encoder takes (PostgreSQL's ``jsonb``
+    refuses its escape too). Only a text with an escaped surrogate is looked at again."""
+    if _ESCAPED_NUL.search(text):
+        raise InvalidPayload("payload contains U+0000, which PostgreSQL cannot store; encode binary data")
+    if "\\ud" in text:
+        try:
+            json.dumps(value, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise InvalidPayload(
+                "payload contains a lone surrogate (half of a UTF-16 pair), which no UTF-8 text can hold"
+            ) from None
 
 
 def check_keys(payload: Any, text: str, str_keyed: int = 0) -> None:

@@ -38,7 +38,7 @@ from django.utils import timezone
 from . import conf, coroutines, history, registry, signing
 from .backends.base import Hold, Lease, QueueBackend
 from .current import running_job
-from .envelope import Envelope, dumps_payload
+from .envelope import Envelope, check_storable, dumps_payload
 from .exceptions import (
     AbortRequested,
     BadSignature,
@@ -919,7 +919,7 @@ def _call(d: Delivery, context: JobContext, limit: TimeLimit) -> tuple[BaseExcep
 def _unstorable(value: Any) -> InvalidPayload | None:
     """Why a job that keeps its result failed to: its return value is not JSON."""
     try:
-        dumps_payload(value)
+        check_storable(value, dumps_payload(value))
     except InvalidPayload as exc:
         return InvalidPayload(f"the job's return value cannot be kept: {exc}")
     return None

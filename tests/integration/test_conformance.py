@@ -1265,6 +1265,23 @@ def test_an_error_no_database_can_store_is_kept_with_replacement_characters(queu
         assert record(backend_case, queue_backend, env.id).last_error.startswith(text)
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "batched"])
+def test_a_kept_result_no_database_can_store_fails_the_job_without_wedging_it(queue_backend, backend_case, batched):
+    # Written as it is, PostgreSQL's jsonb refused the ack's result (U+0000, a lone surrogate's
+    # escape) and the worker retried the ack as an outage, for ever.
+    env = enqueue(queue_backend, backend_case, key=unique(), action="return_unstorable", keep_result=True)
+    if holds_messages(queue_backend):
+        if batched:
+            assert QueueWorker(queue_backend, ["default"]).run(max_jobs=1, sleep=0.01, reap=False, max_time=30) == 1
+        else:
+            assert drain(queue_backend) == ["dead-lettered"]
+    [attempt] = history_of(queue_backend, env.id)
+    assert (attempt.outcome, attempt.error_class) == ("failed", "django_jobs.exceptions.InvalidPayload")
+    assert "the job's return value cannot be kept: payload contains U+0000" in attempt.error
+    if backend_case.record:
+        assert record(backend_case, queue_backend, env.id).status == "failed"
+
+
 def test_a_success_writes_no_history_unless_the_job_keeps_its_result(queue_backend, backend_case):
     plain = enqueue(queue_backend, backend_case, key=unique())
     kept = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import time
 import uuid
 from dataclasses import fields as dataclass_fields
@@ -180,6 +181,26 @@ def test_payload_that_json_cannot_carry_is_refused_at_dispatch():
         Jobs.define("command", {"when": datetime.now(UTC)}).build()
     with pytest.raises(InvalidPayload):
         Jobs.define("command", {"x": float("nan")}).build()
+
+
+@pytest.mark.parametrize(
+    ("payload", "refused"),
+    [
+        ({"text": "a\x00b"}, "U+0000"),
+        ({"a\x00": 1}, "U+0000"),
+        ({"text": ["half \ud800 a pair"]}, "lone surrogate"),
+        ({"text": "low half \udc00 first"}, "lone surrogate"),
+        ({"text": "a pair \U0001f600, a backslash-u \\u0000 and \\ud800 typed out"}, None),
+    ],
+)
+def test_payload_no_database_can_store_is_refused_at_dispatch(payload, refused):
+    # PostgreSQL cannot store U+0000, and neither a UTF-8 encoder nor jsonb takes a lone surrogate.
+    builder = Jobs.define("command", payload)
+    if refused is None:
+        assert builder.build().payload == payload
+        return
+    with pytest.raises(InvalidPayload, match=re.escape(refused)):
+        builder.build()
 
 
 # -- signing --

@@ -32,7 +32,8 @@ def scripted(
 ) -> str:
     """ok | raise | flaky (raise until ``fail_times`` runs recorded) | exit | hang | hang_masked | sleep
     | fork (a child that unwinds out of the job with sys.exit) | bad_str (an error whose str() raises)
-    | unstorable (an error whose message holds U+0000 and a lone surrogate)
+    | unstorable (an error whose message holds U+0000 and a lone surrogate) | return_unstorable (the same,
+    returned)
     | interrupt (KeyboardInterrupt from the job's own code). ``payload`` is carried and ignored
     (tests that need a message of some size or shape)."""
     _record(key, db)
@@ -55,6 +56,8 @@ def scripted(
         raise _Unprintable()
     if action == "unstorable":  # what PostgreSQL (NUL) and any UTF-8 encoder (a lone surrogate) refuse
         raise RuntimeError("nul \x00 and half \ud800 a pair")
+    if action == "return_unstorable":
+        return "nul \x00 and half \ud800 a pair"
     if action == "interrupt":
         raise KeyboardInterrupt
     if action == "hang_masked":
