@@ -503,7 +503,7 @@ class DatabaseBackend(LimitedBackend):
         """The UPDATE of a batch's settles at ``now`` and its parameters (a requeue due by
         then is ready from ``now``)."""
         batch = db_settle.Batch.of(acks, begun, requeues, now, self._adapt, time.time())
-        return db_settle.settle_sql(vendor), [self._adapt(now), *batch.params(vendor)]
+        return db_settle.settle_sql(vendor), [self._adapt(now), *batch.params()]
 
     def _settled(
         self, acks: list[Lease], requeues: Sequence[Requeue], settled: set[str]

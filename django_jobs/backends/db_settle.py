@@ -4,8 +4,8 @@ recorded starts of the runs claimed ahead that began, and the requeues of its fa
 Each row is fenced on its own (id, owner token) pair, as a single settle is, and by the same
 extra condition: an ack only where no job waits for the row (a row with dependents is acked on
 the transactional path, which resolves its edges), a requeue only where nobody asked to abort
-the job. The rows reach the statement as one array per column (PostgreSQL ``unnest``) or one
-JSON text (SQLite ``json_each``), so its parameters are the same few whatever the batch's size.
+the job. The rows reach the statement as one JSON text (PostgreSQL ``json_array_elements``,
+SQLite ``json_each``), so its parameters are the same two whatever the batch's size.
 """
 
 from __future__ import annotations
@@ -40,15 +40,17 @@ FENCE = (
     f"{TABLE}.id = s.id AND {TABLE}.owner_token = s.owner AND CASE s.kind "
     f"WHEN '{ACK}' THEN NOT {TABLE}.has_dependents WHEN '{REQUEUE}' THEN {TABLE}.abort_requested IS NULL ELSE TRUE END"
 )
-# PostgreSQL. Parameters: updated_at, then one array per column. The rows are found by primary
-# key whatever the table's size and statistics: the ids reach the planner as ``ARRAY(SELECT …)``,
-# whose length it cannot see, so it looks them up in the index (joined to the arrays alone, it
-# may scan a table of a few thousand rows).
+# PostgreSQL. Parameters: updated_at, then the rows as one JSON array of arrays (one text to
+# send, where an array per column had each of its elements quoted by the driver). The rows are
+# found by primary key whatever the table's size and statistics: the ids reach the planner as
+# ``ARRAY(SELECT …)``, whose length it cannot see, so it looks them up in the index (joined to
+# the rows alone, it may scan a table of a few thousand rows).
 SETTLE_PG = (
-    f"UPDATE {TABLE} SET {ASSIGNMENTS} FROM (SELECT %s::text[] AS ids) AS b, "
-    "unnest(b.ids, %s::text[], %s::text[], %s::int[], %s::timestamptz[], %s::text[]) "
-    "AS s(id, owner, kind, runs, due, error) "
-    f"WHERE {TABLE}.id = ANY(ARRAY(SELECT unnest(b.ids))) AND {FENCE} RETURNING {TABLE}.id"
+    f"UPDATE {TABLE} SET {ASSIGNMENTS} FROM (SELECT %s::json AS rows) AS b, "
+    "LATERAL (SELECT r->>0 AS id, r->>1 AS owner, r->>2 AS kind, (r->>3)::int AS runs, "
+    "(r->>4)::timestamptz AS due, r->>5 AS error FROM json_array_elements(b.rows) AS r) AS s "
+    f"WHERE {TABLE}.id = ANY(ARRAY(SELECT r->>0 FROM json_array_elements(b.rows) AS r)) AND {FENCE} "
+    f"RETURNING {TABLE}.id"
 )
 # SQLite. Parameters: updated_at, then the rows as one JSON array of arrays.
 SETTLE_SQLITE = (
@@ -101,11 +103,9 @@ class Batch(NamedTuple):
         self.dues.append(due)
         self.errors.append(error)
 
-    def params(self, vendor: str) -> list[Any]:
-        """The row parameters of ``SETTLE_PG`` (``vendor`` postgresql) or ``SETTLE_SQLITE``."""
-        if vendor == "postgresql":
-            return list(self)
-        return [json.dumps(list(zip(*self, strict=True)), ensure_ascii=False)]
+    def params(self) -> list[Any]:
+        """The row parameter of ``SETTLE_PG`` and ``SETTLE_SQLITE``: the rows as JSON."""
+        return [json.dumps(list(zip(*self, strict=True)), ensure_ascii=False, default=datetime.isoformat)]
 
 
 def settle_sql(vendor: str) -> str:
