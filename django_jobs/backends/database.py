@@ -8,6 +8,7 @@ serialises writers. Other databases claim inside a transaction with the ORM's
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -15,7 +16,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 from weakref import WeakKeyDictionary
 
 from django.core.exceptions import ImproperlyConfigured
@@ -24,15 +25,20 @@ from django.db.models import NOT_PROVIDED, Count, Min, Q
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from .. import conf, dependencies, rows
+from .. import conf, rows
 from ..envelope import Envelope
 from ..exceptions import AbortRequested, InvalidPayload, JobAborted, LeaseLost, WorkerLost
 from ..models import ENVELOPE_COLUMNS, ClaimedAhead, Job, JobStatus, envelope_columns, envelope_of
 from ..retry import after_lost_run
 from . import db_settle
 from .base import NO_RESULT, Lease, LimitedBackend, Requeue, Requeued
-from .db_limits import DatabaseLimits
 from .db_listen import Listener
+
+if TYPE_CHECKING:
+    from .db_limits import DatabaseLimits
+
+# ``dependencies`` (and the flows code it imports) is imported where a job has parents or
+# dependents, a failure or a cancel: a worker of plain jobs never loads it before its first job.
 
 TABLE = Job._meta.db_table
 # The statements prepared on each PostgreSQL connection (the driver's connection -> names).
@@ -159,7 +165,13 @@ class DatabaseBackend(LimitedBackend):
         if problem:
             raise ImproperlyConfigured(f"database backend {name!r} {problem}")
         self.listener = Listener(name, options.get("LISTEN_DATABASE", self.alias), self.alias)
-        self.limits = DatabaseLimits(self.alias)
+
+    @functools.cached_property
+    def limits(self) -> DatabaseLimits:
+        """The limits' code (``db_limits``), loaded at the first job that has a limit."""
+        from .db_limits import DatabaseLimits
+
+        return DatabaseLimits(self.alias)
 
     # -- helpers --
 
@@ -281,6 +293,8 @@ class DatabaseBackend(LimitedBackend):
         asynchronously, as the worker's other settles do, unless it runs in the caller's
         transaction). A lease found lost changed nothing and leaves the others to commit: the
         leases found lost."""
+        from .. import dependencies
+
         lost, resolution = [], dependencies.Resolution()
         own = not self._conn.in_atomic_block
         with transaction.atomic(using=self.alias):
@@ -322,6 +336,8 @@ class DatabaseBackend(LimitedBackend):
 
     def enqueue(self, envelope: Envelope) -> str:
         if envelope.parents:
+            from .. import dependencies
+
             dependencies.enqueue(self, [envelope])
             return envelope.id
         # One statement, built once; durable: never async.
@@ -330,6 +346,8 @@ class DatabaseBackend(LimitedBackend):
 
     def enqueue_many(self, envelopes: list[Envelope]) -> list[str]:
         if any(envelope.parents for envelope in envelopes):  # a chain or group: one transaction
+            from .. import dependencies
+
             dependencies.enqueue(self, envelopes)
             return [e.id for e in envelopes]
         now = timezone.now()
@@ -656,6 +674,7 @@ class DatabaseBackend(LimitedBackend):
         row is recovered with the global policy. One row's error is logged and counted
         (``jobs_reap_errors``) and never stops the pass.
         """
+        from .. import dependencies
         from ..reaper import lost_run
         from ..retry import reaping, trusted_options
 
@@ -724,6 +743,7 @@ class DatabaseBackend(LimitedBackend):
     def _reap_aborted(self, job: Job, now: datetime) -> int:
         """An expired lease of a job asked to abort: it ends cancelled, never requeued. Its lost
         run counts, unless it was only claimed ahead (it may never have started)."""
+        from .. import dependencies
         from ..reaper import aborted_lost_run  # the reaper imports the backends
 
         who, counted = str(job.abort_requested), job.claimed_ahead == ClaimedAhead.NO
@@ -779,6 +799,8 @@ class DatabaseBackend(LimitedBackend):
         return handed_back
 
     def resolve_dependents(self) -> int:
+        from .. import dependencies
+
         return dependencies.sweep(self.alias)
 
     def wait_for_work(self, queues: list[str], timeout: float) -> bool:
