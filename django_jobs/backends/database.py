@@ -182,10 +182,15 @@ class DatabaseBackend(LimitedBackend):
     def _adapt(self, value: datetime) -> Any:
         return self._conn.ops.adapt_datetimefield_value(value)
 
-    def _execute(self, sql: str, params: list[Any], *, every_row: bool = False) -> tuple[int, Any]:
-        """Run ``sql``: the row count, and the first row (``every_row``: the list of rows)."""
+    def _execute(
+        self, sql: str, params: list[Any], *, every_row: bool = False, after_first: bool = False
+    ) -> tuple[int, Any]:
+        """Run ``sql``: the row count, and the first row (``every_row``: the list of rows) of
+        its first statement (``after_first``: of its second, after a ``PREPARE``)."""
         with self._conn.cursor() as cursor:
             cursor.execute(sql, params)
+            if after_first:
+                cursor.nextset()
             if not cursor.description:
                 return cursor.rowcount, [] if every_row else None
             return cursor.rowcount, (cursor.fetchall() if every_row else cursor.fetchone())
@@ -214,11 +219,22 @@ class DatabaseBackend(LimitedBackend):
         suffix = rows.ASYNC_COMMIT if self.async_commit and (own or not conn.in_atomic_block) else ""
         if not (prepare and self.prepare) or conn.in_atomic_block:
             return self._execute(sql + suffix, params, every_row=every_row)
-        name = self._prepared(sql, len(params))
+        name, prepare_first = self._prepared(sql, len(params))
+        execute = f"EXECUTE {name}({', '.join(['%s'] * len(params))}){suffix}"
         try:
-            return self._execute(
-                f"EXECUTE {name}({', '.join(['%s'] * len(params))}){suffix}", params, every_row=every_row
-            )
+            if prepare_first:  # in the same query: one round trip
+                try:
+                    result = self._execute(prepare_first + execute, params, every_row=every_row, after_first=True)
+                except ProgrammingError as exc:
+                    # The server session has it already (the name is the statement's hash): a
+                    # pooler handed this connection a session an earlier client prepared it on.
+                    # Nothing ran: the query's statements share one implicit transaction.
+                    if getattr(exc.__cause__, "sqlstate", None) != DUPLICATE_PREPARED_STATEMENT:
+                        raise
+                    result = self._execute(execute, params, every_row=every_row)
+                _PREPARED.setdefault(conn.connection, set()).add(name)
+                return result
+            return self._execute(execute, params, every_row=every_row)
         except ProgrammingError as exc:
             if getattr(exc.__cause__, "sqlstate", None) != UNKNOWN_PREPARED_STATEMENT:
                 raise
@@ -228,26 +244,18 @@ class DatabaseBackend(LimitedBackend):
             _PREPARED.pop(conn.connection, None)
             return self._execute(sql + suffix, params, every_row=every_row)
 
-    def _prepared(self, sql: str, count: int) -> str:
-        """The name of ``sql`` prepared on this thread's connection (prepared now if needed)."""
+    def _prepared(self, sql: str, count: int) -> tuple[str, str]:
+        """The name of ``sql`` as a statement prepared on this thread's connection, and the
+        ``PREPARE`` to send in front of its first ``EXECUTE`` there (``""`` once prepared)."""
         conn = self._conn
         conn.ensure_connection()
         name = "django_jobs_" + hashlib.sha1(sql.encode(), usedforsecurity=False).hexdigest()[:16]
-        done = _PREPARED.setdefault(conn.connection, set())
-        if name not in done:
-            numbered = sql
-            for number in range(1, count + 1):
-                numbered = numbered.replace("%s", f"${number}", 1)
-            try:
-                with conn.cursor() as cursor:
-                    cursor.execute(f"PREPARE {name} AS {numbered}")
-            except ProgrammingError as exc:
-                # The server session has it already (the name is the statement's hash): a
-                # pooler handed this connection a session an earlier client prepared it on.
-                if getattr(exc.__cause__, "sqlstate", None) != DUPLICATE_PREPARED_STATEMENT:
-                    raise
-            done.add(name)
-        return name
+        if name in _PREPARED.get(conn.connection, ()):
+            return name, ""
+        numbered = sql
+        for number in range(1, count + 1):
+            numbered = numbered.replace("%s", f"${number}", 1)
+        return name, f"PREPARE {name} AS {numbered}; "
 
     def _settle(
         self,
