@@ -688,7 +688,6 @@ class DatabaseBackend(LimitedBackend):
         row is recovered with the global policy. One row's error is logged and counted
         (``jobs_reap_errors``) and never stops the pass.
         """
-        from .. import dependencies
         from ..reaper import lost_run
         from ..retry import reaping, trusted_options
 
@@ -724,6 +723,8 @@ class DatabaseBackend(LimitedBackend):
             if job.claimed_ahead != ClaimedAhead.NO:
                 reaped += self._hand_back(job, now)
                 continue
+            from .. import dependencies  # an expired lease: a row to recover
+
             done, resolution = 0, dependencies.Resolution()
             # A lost connection ends the pass (every later row would fail the same way).
             with (
