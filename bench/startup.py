@@ -66,12 +66,17 @@ PHASES = [
     ("first claim -> job starts", "deliver.begin", "job.begin"),
     ("job body", "job.begin", "job.end"),
 ]
-# django-jobs modules a worker of each engine never runs (on these settings: no admin, no SCHEDULE),
-# and other packages it never needs. (asyncio and redis.asyncio are not listed: Django's asgiref
-# and redis-py's own __init__ import them.)
-_NEVER = r"admin|dashboard|charts|scheduler|schedules|operations|contrib|tasks|management\.commands\.jobs_schedule"
+# django-jobs modules a worker of each engine never runs (on these settings: no admin, no SCHEDULE)
+# or runs only after its first (plain) job, and other packages it never needs. (asyncio and
+# redis.asyncio are not listed: Django's asgiref and redis-py's own __init__ import them.)
+_NEVER = (
+    r"admin|dashboard|charts|scheduler|schedules|operations|contrib|tasks|management\.commands\.jobs_schedule"
+    r"|health|dependencies|flows"
+)
 UNWANTED = {
-    "postgres": re.compile(rf"^django_jobs\.({_NEVER}|backends\.(redis|redis_limits|beanstalk|servicebus|sync))(\.|$)"),
+    "postgres": re.compile(
+        rf"^django_jobs\.({_NEVER}|backends\.(redis|redis_limits|beanstalk|servicebus|sync|db_limits))(\.|$)"
+    ),
     "redis": re.compile(rf"^django_jobs\.({_NEVER}|backends\.(database|db_limits|beanstalk|servicebus|sync))(\.|$)"),
 }
 FOREIGN = re.compile(r"^(django\.contrib\.admin|prometheus_client|croniter)(\.|$)")

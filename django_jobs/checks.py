@@ -410,8 +410,7 @@ def check_backend_persistence(app_configs: Any = None, **kwargs: Any) -> list[ch
     (Redis without AOF or RDB save points). This asks the servers, so it runs only under
     ``manage.py check --deploy``: a plain ``check`` (and every command's start-up) never
     connects. A server that cannot be reached is not reported here (``jobs_health`` says so)."""
-    from .backends import get_backend
-    from .health import persistence_warning
+    from .backends import get_backend, persistence_warning
 
     if not isinstance(getattr(settings, "JOBS", None) or {}, dict) or RULES["BACKENDS"][1](conf.get("BACKENDS")):
         return []  # reported by check_settings (E008, E010)

@@ -9,7 +9,6 @@ a warning unless ``strict``).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -17,10 +16,8 @@ from typing import Any, Literal
 
 from django.utils import timezone
 
-from .backends import get_backend
+from .backends import get_backend, persistence_warning
 from .backends.base import QueueBackend
-
-logger = logging.getLogger("django_jobs.health")
 
 Status = Literal["ok", "problem", "warning"]
 
@@ -107,16 +104,6 @@ def check(
         if warning is not None:
             report.add("persistence", name, None, "warning", warning)
     return report
-
-
-def persistence_warning(backend: QueueBackend) -> str | None:
-    """``backend.persistence_warning()``, or ``None`` when its server cannot be asked (the
-    warning must never stop what asks for it: a worker starting, ``manage.py check``)."""
-    try:
-        return backend.persistence_warning()
-    except Exception:  # unreachable or refused: not known, so not warned about
-        logger.debug("backend %r: could not ask whether it keeps its jobs on disk", backend.name, exc_info=True)
-        return None
 
 
 def _queues_look_fine(report: HealthReport, backend: QueueBackend, queues: list[str], max_age: float | None) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from importlib import import_module
 from typing import Any
@@ -23,6 +24,7 @@ ENGINES = {
 
 _instances: dict[str, QueueBackend] = {}
 _lock = threading.Lock()
+logger = logging.getLogger("django_jobs.health")
 
 
 def require(module: str, extra: str) -> Any:
@@ -68,6 +70,16 @@ def get_backend(name: str | None = None) -> QueueBackend:
                 backend = engine_class(config.get("ENGINE", "database"))(name, dict(config.get("OPTIONS") or {}))
                 _instances[name] = backend
     return backend
+
+
+def persistence_warning(backend: QueueBackend) -> str | None:
+    """``backend.persistence_warning()``, or ``None`` when its server cannot be asked (the
+    warning must never stop what asks for it: a worker starting, ``manage.py check``)."""
+    try:
+        return backend.persistence_warning()
+    except Exception:  # unreachable or refused: not known, so not warned about
+        logger.debug("backend %r: could not ask whether it keeps its jobs on disk", backend.name, exc_info=True)
+        return None
 
 
 def reset(close: bool = True) -> None:

@@ -522,10 +522,13 @@ class Limiter(Protocol):
 
 
 class LimitedBackend(QueueBackend):
-    """A backend whose :class:`Limiter` (``self.limits``, set by its ``__init__``) enforces limits."""
+    """A backend whose :class:`Limiter` (``self.limits``) enforces limits."""
 
     supports_limits = True
-    limits: Limiter
+
+    @property
+    @abstractmethod
+    def limits(self) -> Limiter: ...
 
     def acquire(self, lease: Lease, limits: Sequence[Limit]) -> Hold | None:
         return self.limits.acquire(lease, limits)

@@ -8,6 +8,7 @@ serialises writers. Other databases claim inside a transaction with the ORM's
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -15,7 +16,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 from weakref import WeakKeyDictionary
 
 from django.core.exceptions import ImproperlyConfigured
@@ -24,17 +25,28 @@ from django.db.models import NOT_PROVIDED, Count, Min, Q
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from .. import conf, dependencies, rows
+from .. import conf, rows
 from ..envelope import Envelope
 from ..exceptions import AbortRequested, InvalidPayload, JobAborted, LeaseLost, WorkerLost
-from ..models import ENVELOPE_COLUMNS, ClaimedAhead, Job, JobStatus, envelope_columns, envelope_of
+from ..models import ENVELOPE_COLUMNS, ClaimedAhead, Dependency, Job, JobStatus, envelope_columns, envelope_of
 from ..retry import after_lost_run
 from . import db_settle
 from .base import NO_RESULT, Lease, LimitedBackend, Requeue, Requeued
-from .db_limits import DatabaseLimits
 from .db_listen import Listener
 
+if TYPE_CHECKING:
+    from .db_limits import DatabaseLimits
+
+# ``dependencies`` (and the flows code it imports) is imported where a job has parents or
+# dependents, a failure or a cancel: a worker of plain jobs never loads it before its first job.
+
 TABLE = Job._meta.db_table
+# Whether the dependents' sweep has anything to look at: an open edge (its partial index) or a
+# waiting job (the status index).
+_ANY_DEPENDENTS = (
+    f"SELECT EXISTS (SELECT 1 FROM {Dependency._meta.db_table} WHERE outcome IS NULL) "
+    f"OR EXISTS (SELECT 1 FROM {TABLE} WHERE status = %s)"
+)
 # The statements prepared on each PostgreSQL connection (the driver's connection -> names).
 _PREPARED: WeakKeyDictionary[Any, set[str]] = WeakKeyDictionary()
 UNKNOWN_PREPARED_STATEMENT = "26000"  # SQLSTATE invalid_sql_statement_name
@@ -159,7 +171,13 @@ class DatabaseBackend(LimitedBackend):
         if problem:
             raise ImproperlyConfigured(f"database backend {name!r} {problem}")
         self.listener = Listener(name, options.get("LISTEN_DATABASE", self.alias), self.alias)
-        self.limits = DatabaseLimits(self.alias)
+
+    @functools.cached_property
+    def limits(self) -> DatabaseLimits:
+        """The limits' code (``db_limits``), loaded at the first job that has a limit."""
+        from .db_limits import DatabaseLimits
+
+        return DatabaseLimits(self.alias)
 
     # -- helpers --
 
@@ -170,10 +188,15 @@ class DatabaseBackend(LimitedBackend):
     def _adapt(self, value: datetime) -> Any:
         return self._conn.ops.adapt_datetimefield_value(value)
 
-    def _execute(self, sql: str, params: list[Any], *, every_row: bool = False) -> tuple[int, Any]:
-        """Run ``sql``: the row count, and the first row (``every_row``: the list of rows)."""
+    def _execute(
+        self, sql: str, params: list[Any], *, every_row: bool = False, after_first: bool = False
+    ) -> tuple[int, Any]:
+        """Run ``sql``: the row count, and the first row (``every_row``: the list of rows) of
+        its first statement (``after_first``: of its second, after a ``PREPARE``)."""
         with self._conn.cursor() as cursor:
             cursor.execute(sql, params)
+            if after_first:
+                cursor.nextset()
             if not cursor.description:
                 return cursor.rowcount, [] if every_row else None
             return cursor.rowcount, (cursor.fetchall() if every_row else cursor.fetchone())
@@ -202,11 +225,22 @@ class DatabaseBackend(LimitedBackend):
         suffix = rows.ASYNC_COMMIT if self.async_commit and (own or not conn.in_atomic_block) else ""
         if not (prepare and self.prepare) or conn.in_atomic_block:
             return self._execute(sql + suffix, params, every_row=every_row)
-        name = self._prepared(sql, len(params))
+        name, prepare_first = self._prepared(sql, len(params))
+        execute = f"EXECUTE {name}({', '.join(['%s'] * len(params))}){suffix}"
         try:
-            return self._execute(
-                f"EXECUTE {name}({', '.join(['%s'] * len(params))}){suffix}", params, every_row=every_row
-            )
+            if prepare_first:  # in the same query: one round trip
+                try:
+                    result = self._execute(prepare_first + execute, params, every_row=every_row, after_first=True)
+                except ProgrammingError as exc:
+                    # The server session has it already (the name is the statement's hash): a
+                    # pooler handed this connection a session an earlier client prepared it on.
+                    # Nothing ran: the query's statements share one implicit transaction.
+                    if getattr(exc.__cause__, "sqlstate", None) != DUPLICATE_PREPARED_STATEMENT:
+                        raise
+                    result = self._execute(execute, params, every_row=every_row)
+                _PREPARED.setdefault(conn.connection, set()).add(name)
+                return result
+            return self._execute(execute, params, every_row=every_row)
         except ProgrammingError as exc:
             if getattr(exc.__cause__, "sqlstate", None) != UNKNOWN_PREPARED_STATEMENT:
                 raise
@@ -216,26 +250,18 @@ class DatabaseBackend(LimitedBackend):
             _PREPARED.pop(conn.connection, None)
             return self._execute(sql + suffix, params, every_row=every_row)
 
-    def _prepared(self, sql: str, count: int) -> str:
-        """The name of ``sql`` prepared on this thread's connection (prepared now if needed)."""
+    def _prepared(self, sql: str, count: int) -> tuple[str, str]:
+        """The name of ``sql`` as a statement prepared on this thread's connection, and the
+        ``PREPARE`` to send in front of its first ``EXECUTE`` there (``""`` once prepared)."""
         conn = self._conn
         conn.ensure_connection()
         name = "django_jobs_" + hashlib.sha1(sql.encode(), usedforsecurity=False).hexdigest()[:16]
-        done = _PREPARED.setdefault(conn.connection, set())
-        if name not in done:
-            numbered = sql
-            for number in range(1, count + 1):
-                numbered = numbered.replace("%s", f"${number}", 1)
-            try:
-                with conn.cursor() as cursor:
-                    cursor.execute(f"PREPARE {name} AS {numbered}")
-            except ProgrammingError as exc:
-                # The server session has it already (the name is the statement's hash): a
-                # pooler handed this connection a session an earlier client prepared it on.
-                if getattr(exc.__cause__, "sqlstate", None) != DUPLICATE_PREPARED_STATEMENT:
-                    raise
-            done.add(name)
-        return name
+        if name in _PREPARED.get(conn.connection, ()):
+            return name, ""
+        numbered = sql
+        for number in range(1, count + 1):
+            numbered = numbered.replace("%s", f"${number}", 1)
+        return name, f"PREPARE {name} AS {numbered}; "
 
     def _settle(
         self,
@@ -281,6 +307,8 @@ class DatabaseBackend(LimitedBackend):
         asynchronously, as the worker's other settles do, unless it runs in the caller's
         transaction). A lease found lost changed nothing and leaves the others to commit: the
         leases found lost."""
+        from .. import dependencies
+
         lost, resolution = [], dependencies.Resolution()
         own = not self._conn.in_atomic_block
         with transaction.atomic(using=self.alias):
@@ -322,6 +350,8 @@ class DatabaseBackend(LimitedBackend):
 
     def enqueue(self, envelope: Envelope) -> str:
         if envelope.parents:
+            from .. import dependencies
+
             dependencies.enqueue(self, [envelope])
             return envelope.id
         # One statement, built once; durable: never async.
@@ -330,6 +360,8 @@ class DatabaseBackend(LimitedBackend):
 
     def enqueue_many(self, envelopes: list[Envelope]) -> list[str]:
         if any(envelope.parents for envelope in envelopes):  # a chain or group: one transaction
+            from .. import dependencies
+
             dependencies.enqueue(self, envelopes)
             return [e.id for e in envelopes]
         now = timezone.now()
@@ -691,6 +723,8 @@ class DatabaseBackend(LimitedBackend):
             if job.claimed_ahead != ClaimedAhead.NO:
                 reaped += self._hand_back(job, now)
                 continue
+            from .. import dependencies  # an expired lease: a row to recover
+
             done, resolution = 0, dependencies.Resolution()
             # A lost connection ends the pass (every later row would fail the same way).
             with (
@@ -724,6 +758,7 @@ class DatabaseBackend(LimitedBackend):
     def _reap_aborted(self, job: Job, now: datetime) -> int:
         """An expired lease of a job asked to abort: it ends cancelled, never requeued. Its lost
         run counts, unless it was only claimed ahead (it may never have started)."""
+        from .. import dependencies
         from ..reaper import aborted_lost_run  # the reaper imports the backends
 
         who, counted = str(job.abort_requested), job.claimed_ahead == ClaimedAhead.NO
@@ -781,6 +816,12 @@ class DatabaseBackend(LimitedBackend):
         return handed_back
 
     def resolve_dependents(self) -> int:
+        """The dependents' sweep (``dependencies.sweep``), where an edge is open or a job waits:
+        one query finds out, and most passes need nothing more (nor the dependencies' code)."""
+        if not self._execute(_ANY_DEPENDENTS, [str(JobStatus.WAITING)])[1][0]:
+            return 0
+        from .. import dependencies
+
         return dependencies.sweep(self.alias)
 
     def wait_for_work(self, queues: list[str], timeout: float) -> bool:

@@ -96,11 +96,7 @@ class Listener:
         ``connection``? Logged either way: how idle workers of the backend wake."""
         channel = f"{CHANNEL}_probe_{secrets.token_hex(8)}"
         connection.execute(f"LISTEN {channel}")
-        notifier = _connect(self.queue_alias)
-        try:
-            notifier.execute(f"NOTIFY {channel}")
-        finally:
-            notifier.close()
+        _notify(self.queue_alias, channel)
         held = bool(list(connection.notifies(timeout=PROBE_WAIT, stop_after=1)))
         connection.execute(f"UNLISTEN {channel}")
         if held:
@@ -117,6 +113,22 @@ class Listener:
                 conf.get("POLL_INTERVAL"),
             )
         return held
+
+
+def _notify(alias: str, channel: str) -> None:
+    """``NOTIFY channel`` through database ``alias``: on Django's connection when it is open in
+    autocommit (as the migrations check leaves it at a worker's start), else on a connection of
+    its own (a ``NOTIFY`` in a transaction waits for its commit)."""
+    wrapper = connections[alias]
+    if wrapper.connection is not None and wrapper.get_autocommit():
+        with wrapper.cursor() as cursor:
+            cursor.execute(f"NOTIFY {channel}")
+        return
+    notifier = _connect(alias)
+    try:
+        notifier.execute(f"NOTIFY {channel}")
+    finally:
+        notifier.close()
 
 
 def _connect(alias: str) -> Any:

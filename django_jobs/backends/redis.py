@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from functools import cache
+from functools import cache, cached_property
 from importlib.resources import files
 from typing import Any, NamedTuple
 
@@ -140,13 +140,17 @@ class QueueKeys(NamedTuple):
 KINDS = QueueKeys._fields
 
 
-@cache
 def _source(name: str) -> str:
     """A script behind its prelude: ``common.lua`` (a queue's keys) or, for a limit's script,
     ``limit_common.lua`` (a limit's keys)."""
-    lua = files("django_jobs.backends") / "lua"
     prelude = "limit_common" if name in redis_limits.SCRIPTS else "common"
-    return (lua / f"{prelude}.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+    return _lua(prelude) + "\n" + _lua(name)
+
+
+@cache
+def _lua(name: str) -> str:
+    """The text of ``lua/<name>.lua`` (a prelude is read once, not once per script)."""
+    return (files("django_jobs.backends") / "lua" / f"{name}.lua").read_text()
 
 
 def _ms(moment: float | None = None) -> int:
@@ -161,8 +165,6 @@ class RedisBackend(LimitedBackend):
     """Options: ``URL`` (``redis://...``, or ``redis+sentinel://...``), ``CACHE`` (a django-redis
     cache alias whose pool is reused), ``SENTINELS`` and ``SERVICE``, or ``CLUSTER`` with ``URL``
     or ``STARTUP_NODES`` (``redis_connection.py``); ``PREFIX`` (default ``django_jobs``)."""
-
-    limits: redis_limits.RedisLimits
 
     # ReadOnlyError: a primary demoted by a Sentinel failover (MasterNotFoundError, while the
     # sentinels have no primary, is a ConnectionError). ClusterError: a cluster whose slots are
@@ -191,7 +193,10 @@ class RedisBackend(LimitedBackend):
         self._scripts: dict[str, Any] = {}
         self._next_due: dict[str, float] = {}
         self._keys: dict[str, QueueKeys] = {}
-        self.limits = redis_limits.RedisLimits(self)
+
+    @cached_property
+    def limits(self) -> redis_limits.RedisLimits:
+        return redis_limits.RedisLimits(self)
 
     # -- connection --
 

@@ -309,12 +309,13 @@ def sentinels(options: Mapping[str, Any]) -> Sentinels | None:
     if not isinstance(extra, dict):
         raise ImproperlyConfigured(f"needs OPTIONS['SENTINEL_KWARGS'] to be a dict, not {type(extra).__name__}")
     sentinel_kwargs = {"socket_connect_timeout": SENTINEL_TIMEOUT, "socket_timeout": SENTINEL_TIMEOUT, **extra}
-    try:
-        redis.Redis(**sentinel_kwargs).close()  # builds a pool, connects to nothing
-    except TypeError as exc:
-        raise ImproperlyConfigured(
-            f"needs OPTIONS['SENTINEL_KWARGS'] to be arguments of a Redis client: {exc}"
-        ) from exc
+    if extra:  # only given arguments can be wrong (a client's construction reads redis-py's metadata)
+        try:
+            redis.Redis(**sentinel_kwargs).close()  # builds a pool, connects to nothing
+        except TypeError as exc:
+            raise ImproperlyConfigured(
+                f"needs OPTIONS['SENTINEL_KWARGS'] to be arguments of a Redis client: {exc}"
+            ) from exc
     if given:
         return _from_url(str(url), sentinel_kwargs)
     if "SENTINELS" not in options and "SERVICE" not in options:

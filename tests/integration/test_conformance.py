@@ -1457,7 +1457,9 @@ def test_postgres_ack_and_fetch_runs_a_statement_prepared_once_per_connection(po
     first = _two_jobs_acked_together(backend)
     second = _two_jobs_acked_together(backend)
 
-    assert [sql.split()[0] for sql in first] in (["PREPARE", "EXECUTE"], ["EXECUTE"])
+    # One query either way: the statement's PREPARE rides in front of its first EXECUTE.
+    assert [sql.split()[0] for sql in first] in (["PREPARE"], ["EXECUTE"])
+    assert first[0].startswith("EXECUTE") or "; EXECUTE " in first[0]
     assert [sql.split()[0] for sql in second] == ["EXECUTE"]  # prepared already: run, not planned again
 
 
@@ -1495,6 +1497,27 @@ def test_postgres_a_committed_dispatch_notifies_listening_workers(postgres_up):
         assert notice.channel == "django_jobs"
     finally:
         listener.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
+@pytest.mark.parametrize("in_a_transaction", [False, True], ids=["autocommit", "in-a-transaction"])
+def test_postgres_the_listen_probe_notifies_on_the_open_connection_outside_a_transaction(
+    postgres_up, monkeypatch, in_a_transaction
+):
+    """At a worker's start the migrations check has left Django's connection open: the probe's
+    NOTIFY goes on it, and only the LISTEN needs a connection of its own. In a transaction the
+    NOTIFY would wait for the commit: it takes a connection of its own too."""
+    from django_jobs.backends import db_listen
+
+    opened: list[str] = []
+    connect = db_listen._connect
+    monkeypatch.setattr(db_listen, "_connect", lambda alias: opened.append(alias) or connect(alias))
+    monkeypatch.setattr(db_listen, "_HELD", {})
+    connections["postgres"].ensure_connection()
+    with transaction.atomic(using="postgres") if in_a_transaction else contextlib.nullcontext():
+        assert db_listen.Listener("pg", "postgres", "postgres").held() is True
+    assert opened == ["postgres", "postgres"] if in_a_transaction else opened == ["postgres"]
 
 
 @pytest.mark.postgres

@@ -505,6 +505,15 @@ def test_the_reaper_pass_sweeps_what_no_settle_resolved(db_case, db_backend):
     assert jobs.get(pk=kept).status == "pending"
 
 
+def test_a_sweep_with_no_open_edge_and_no_waiting_job_asks_one_query(db_case, db_backend):
+    from django.test.utils import CaptureQueriesContext
+
+    send(db_case, "plain")  # a job with no parents: neither an edge nor a waiting row
+    with CaptureQueriesContext(connections[db_backend.alias]) as queries:
+        assert db_backend.resolve_dependents() == 0
+    assert len(queries.captured_queries) == 1
+
+
 def test_waiting_jobs_are_counted_in_the_queue_size(db_case, db_backend):
     parent = send(db_case, "parent")
     send(db_case, "child", depends_on=[parent])

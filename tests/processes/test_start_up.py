@@ -3,7 +3,9 @@ dashboard, charts, scheduler or Prometheus code, no other engine's backend), in 
 the admin whose one backend is of the engine under test (with the admin installed, Django loads
 django-jobs' admin classes, but not the dashboard's page, charts or the scheduler); each of these tests runs the command in
 a fresh interpreter, then lists the modules it holds: in the command's own process with
-``--once``, in the supervisor of a pool otherwise. And the reaping at start, which the supervisor
+``--once``, in the supervisor of a pool otherwise; and what a pool's worker process holds while
+it runs its first job. Neither holds the health report, dependencies, flows or, on the database
+engine, limits code that a plain job never runs. And the reaping at start, which the supervisor
 does while its processes start.
 """
 
@@ -22,7 +24,7 @@ from django.utils import timezone
 from django_jobs import Jobs
 from django_jobs.models import Job
 from tests.procs import REPO_ROOT, processes, wait_until, worker_env
-from tests.testapp.jobs import scripted
+from tests.testapp.jobs import modules_held, scripted
 
 pytestmark = pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
 
@@ -52,6 +54,13 @@ NEVER = (
     r"|django_jobs\.(admin|dashboard|charts|contrib|tasks|scheduler|schedules|operations|management\.commands\.jobs_schedule)"
 )
 OTHER_ENGINES = {"pg": r"django_jobs\.backends\.redis", "redis": r"django_jobs\.backends\.(database|db_limits)"}
+# Code a worker of plain jobs (no parents, no limits) runs only later, if ever: health reports,
+# the dependencies' and flows' code (a reaping with no open edge and no waiting job needs none),
+# and on the database engine the limits' tables.
+NOT_YET = {
+    "pg": r"django_jobs\.(health|dependencies|flows|backends\.db_limits)",
+    "redis": r"django_jobs\.(health|dependencies|flows)",
+}
 
 
 def modules_after(tmp_path: Path, engine: str, *args: str, admin: bool = False) -> list[str]:
@@ -89,7 +98,20 @@ def test_jobs_work_imports_only_what_a_worker_runs(request, tmp_path, engine, ar
     request.getfixturevalue("postgres_up" if engine == "pg" else "redis_up")
     modules = modules_after(tmp_path, engine, "--verbosity", "0", *args)
     assert "django_jobs.worker" in modules  # it did start a worker
-    unwanted = re.compile(rf"^({NEVER}|{OTHER_ENGINES[engine]})(\.|$)")
+    unwanted = re.compile(rf"^({NEVER}|{OTHER_ENGINES[engine]}|{NOT_YET[engine]})(\.|$)")
+    assert [m for m in modules if unwanted.match(m)] == []
+
+
+@pytest.mark.parametrize("engine", ["pg", "redis"])
+def test_a_worker_process_runs_its_first_job_without_code_it_does_not_need_yet(request, tmp_path, engine):
+    """The modules a pool's worker process holds while it runs its first (plain) job."""
+    request.getfixturevalue("postgres_up" if engine == "pg" else "redis_up")
+    held = tmp_path / "modules"
+    modules_held.using(backend=engine).dispatch(path=str(held))
+    modules_after(tmp_path, engine, "--verbosity", "0", "--concurrency", "1", "--max-time", "1")
+    modules = held.read_text().split()
+    assert "django_jobs.pipeline" in modules
+    unwanted = re.compile(rf"^({NEVER}|{OTHER_ENGINES[engine]}|{NOT_YET[engine]})(\.|$)")
     assert [m for m in modules if unwanted.match(m)] == []
 
 

@@ -165,6 +165,13 @@ def noop() -> None:
     """Does nothing (benchmarks and throughput tests)."""
 
 
+@job(queue="default")
+def modules_held(path: str) -> None:
+    """Writes the names of the modules its process holds, one a line, to ``path``."""
+    with open(path, "w") as file:
+        file.write("\n".join(sorted(sys.modules)))
+
+
 calls: list[tuple] = []
 
 

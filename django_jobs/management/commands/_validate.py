@@ -87,7 +87,6 @@ def migrated(name: str) -> None:
     from importlib.resources import files
 
     from django.db import DEFAULT_DB_ALIAS, DatabaseError, router
-    from django.db.migrations.recorder import MigrationRecorder
 
     from django_jobs.backends import backend_config, engine_class
     from django_jobs.models import Job
@@ -105,15 +104,34 @@ def migrated(name: str) -> None:
         if alias not in connections.settings:
             raise CommandError(f"backend {name!r} uses database {alias!r}, which is not in DATABASES")
         try:
-            applied = {
-                migration
-                for app, migration in MigrationRecorder(connections[alias]).applied_migrations()
-                if app == "django_jobs"
-            }
+            applied = _recorded(alias)
         except DatabaseError:
-            continue  # unreachable (or no django_migrations table yet: reported as missing below)
+            continue  # unreachable (no django_migrations table yet is reported as missing below)
         missing = sorted(known - applied)
         if missing:
             raise CommandError(
                 f"database {alias!r} lacks django-jobs' migrations {', '.join(missing)}: run `manage.py migrate`"
             )
+
+
+def _recorded(alias: str) -> set[str]:
+    """The names of django-jobs' migrations recorded as applied on database ``alias``: one
+    query on a connection outside a transaction. Django's recorder answers when that query
+    fails on a live connection (no ``django_migrations`` table: none applied) or a transaction
+    is open (a failed statement would spoil it); it first asks whether its table exists, a
+    query more. ``DatabaseError`` when the database cannot be reached."""
+    from django.db import DatabaseError
+    from django.db.migrations.recorder import MigrationRecorder
+
+    connection = connections[alias]
+    if not connection.in_atomic_block:
+        table = connection.ops.quote_name(MigrationRecorder.Migration._meta.db_table)
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(f"SELECT name FROM {table} WHERE app = %s", ["django_jobs"])
+                return {name for (name,) in cursor.fetchall()}
+        except DatabaseError:
+            if connection.connection is None:
+                raise  # never connected: unreachable
+    recorder = MigrationRecorder(connection)
+    return {migration for app, migration in recorder.applied_migrations() if app == "django_jobs"}

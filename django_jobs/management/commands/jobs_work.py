@@ -10,8 +10,8 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_jobs import checks, health, registry, signing
-from django_jobs.backends import get_backend
+from django_jobs import checks, registry, signing
+from django_jobs.backends import get_backend, persistence_warning
 from django_jobs.backends.base import QueueBackend
 from django_jobs.exceptions import summary
 from django_jobs.pool import STOP_SIGNALS, Sidecar, WorkerPool, announce_stop
@@ -126,7 +126,7 @@ class Command(BaseCommand):
                 backend = get_backend(backend)  # pool.run() closes it before forking
             except Exception:  # noqa: BLE001 - not this line's to report
                 return
-        warning = health.persistence_warning(backend)
+        warning = persistence_warning(backend)
         if warning is not None:
             self.report.warning(warning)
         with contextlib.suppress(Exception):  # unreachable: the workers' first wait finds out
