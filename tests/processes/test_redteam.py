@@ -5,12 +5,17 @@ Each test names the promise it checks (the page and its words) and the attack th
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from django.conf import settings
+from django.test import override_settings
 
 from django_jobs.history import attempts_of
 from django_jobs.models import Job, JobStatus
 from tests.procs import processes, wait_until, worker_env
 from tests.testapp.jobs import scripted
+from tests.testapp.models import SideEffect
 
 PROCESS_DB = pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
 FINAL = ("retrying", "failed", "completed")
@@ -100,3 +105,41 @@ def test_redteam_fast_failures_kept_for_the_batch_then_worker_death_each_counted
         assert numbers == sorted(numbers) and set(numbers) == {1, 2}, attempts
         assert {outcome for number, outcome in attempts if number == 1} <= {"retrying", "lost"}, attempts
         assert attempts[-1] == (2, "failed"), attempts
+
+
+# A queue name with the character the supervisor's shared claims use as their separator.
+ODD_QUEUE = "odd\x1fqueue"
+
+
+@pytest.mark.slow
+@PROCESS_DB
+def test_redteam_queue_name_with_a_unit_separator_keeps_the_supervisors_count(batched_backend):
+    """docs/leases.md: when a worker process dies, its supervisor counts a lost run for the job
+    in hand, "so a job that kills its worker every time still ends `failed` after
+    `max_retries + 1` runs"; docs/settings.md refuses only a NUL in a queue name.
+
+    Attack: the queue's name holds ``\\x1f``, the separator of the claims a worker process keeps
+    in shared memory; its job exits at once, every run (its start never written). The
+    supervisor must still read the claims and count each death: with ``max_retries=1``, each
+    job runs exactly twice."""
+    backend, alias = batched_backend
+    queues = {**settings.JOBS, "QUEUES": [*settings.JOBS["QUEUES"], ODD_QUEUE]}
+    with override_settings(JOBS=queues):
+        ids = [
+            scripted.using(backend=backend, queue=ODD_QUEUE, max_retries=1).dispatch(
+                action="exit", key=f"odd{i}", db=alias
+            )
+            for i in range(2)
+        ]
+    jobs = Job.objects.using(alias)
+    env = worker_env(lease_timeout=3, JOBS_TEST_QUEUES=json.dumps([ODD_QUEUE]))
+    with processes() as procs:
+        worker = procs.worker(ODD_QUEUE, "--backend", backend, env=env)
+        wait_until(
+            lambda: jobs.filter(id__in=ids, status=JobStatus.FAILED).count() == len(ids), 30, "both jobs to fail"
+        )
+        worker.stop()
+    for i, job_id in enumerate(ids):
+        runs = SideEffect.objects.using(alias).filter(key=f"odd{i}").count()
+        assert runs == 2, f"job {job_id} (max_retries=1) ran {runs} times\n{worker.output()}"
+        assert jobs.get(id=job_id).attempts == 2
