@@ -305,8 +305,9 @@ class Batches:
     # -- helpers --
 
     def _write_history(self) -> None:
-        if self.history:
-            self.history.write()
+        """Also with no row kept: a write of rows under way in another thread (taken before this
+        batch's requeues) finishes first."""
+        self.history.write()
 
     def _put_back(self, acks: list[Lease], requeues: list[tuple[Requeue, Verdict]]) -> None:
         if acks or requeues:
