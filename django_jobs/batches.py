@@ -97,6 +97,10 @@ class Batches:
         self._begun: dict[int, Lease] = {}
         self._watch_due: float | None = None  # when the ``_watch`` scheduled on the heartbeat runs
         self._lock = threading.Lock()
+        # One write of the batch at a time: the next claim waits for the heartbeat's write of the
+        # requeues it took, so the supervisor never hears of a new claim while runs of the last
+        # one are unwritten (it recovers the claim it last heard of).
+        self._writing = threading.Lock()
         self._claimed_at = 0.0
         self._job_seconds = BATCH_SECONDS / 10  # so the first batch holds 10 jobs
 
@@ -124,6 +128,22 @@ class Batches:
         assert self.tickets is not None, "claims are made by a run"
         size = max(1, min(self.maximum, int(BATCH_SECONDS / max(self._job_seconds, 1e-6))))
         extra = self.tickets.reserve(size - 1, stopping)
+        with self._writing:
+            try:
+                claimed = self._settle_and_claim(queues, extra + 1)
+            except BaseException:
+                self.tickets.give_back(extra)
+                raise
+        self.tickets.give_back(extra - max(len(claimed) - 1, 0))
+        with self._lock:
+            self._ahead.extend(claimed)
+            if claimed:
+                self._claimed_at = time.monotonic()
+                self._watch_later()
+
+    def _settle_and_claim(self, queues: list[str], limit: int) -> list[Lease]:
+        """Under ``_writing``: write the waiting acks and requeues, and claim up to ``limit``
+        jobs of the first of ``queues`` that has any."""
         with self._lock:
             acks, self._acks = self._acks, []
             requeues, self._requeues = self._requeues, []
@@ -132,7 +152,7 @@ class Batches:
         try:
             for queue in queues:
                 lost, done, claimed = self.backend.settle_many_and_fetch(
-                    acks, [requeue for requeue, _ in requeues], queue, extra + 1
+                    acks, [requeue for requeue, _ in requeues], queue, limit
                 )
                 written, acks, requeues = requeues, [], []
                 self._count_lost(lost)
@@ -141,14 +161,8 @@ class Batches:
                     break
         except BaseException:
             self._put_back(acks, requeues)
-            self.tickets.give_back(extra)
             raise
-        self.tickets.give_back(extra - max(len(claimed) - 1, 0))
-        with self._lock:
-            self._ahead.extend(claimed)
-            if claimed:
-                self._claimed_at = time.monotonic()
-                self._watch_later()
+        return claimed
 
     def started(self, lease: Lease) -> None:
         """The pipeline calls the handler of ``lease`` now: if it was claimed ahead, its start
@@ -214,6 +228,10 @@ class Batches:
         """Write the kept attempt rows, then the waiting acks, starts and requeues; a backend
         error is retried a few times, then the jobs are left to the reaper (they will run
         again). Never raises."""
+        with self._writing:
+            self._flush()
+
+    def _flush(self) -> None:
         with self._lock:
             acks, self._acks = self._acks, []
             requeues, self._requeues = self._requeues, []
@@ -305,8 +323,9 @@ class Batches:
     # -- helpers --
 
     def _write_history(self) -> None:
-        if self.history:
-            self.history.write()
+        """Also with no row kept: a write of rows under way in another thread (taken before this
+        batch's requeues) finishes first."""
+        self.history.write()
 
     def _put_back(self, acks: list[Lease], requeues: list[tuple[Requeue, Verdict]]) -> None:
         if acks or requeues:

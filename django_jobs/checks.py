@@ -87,8 +87,8 @@ def _optional_name(value: Any) -> str | None:
     return None if value is None else _name(value)
 
 
-def _names(*, ordered: bool = False) -> Rule:
-    return lambda value: conf.names_problem(value, ordered=ordered)
+def _names(*, ordered: bool = False, longest: int | None = None) -> Rule:
+    return lambda value: conf.names_problem(value, ordered=ordered, longest=longest)
 
 
 def _dict(value: Any) -> str | None:
@@ -143,7 +143,7 @@ def _signing_key(value: Any) -> str | None:
 RULES: dict[str, tuple[str, Rule]] = {
     "DEFAULT_BACKEND": ("E010", _name),
     "BACKENDS": ("E010", _backends),
-    "QUEUES": ("E010", _names(ordered=True)),
+    "QUEUES": ("E010", _names(ordered=True, longest=conf.QUEUE_NAME_LENGTH)),
     "RETRY_BACKOFF_STRATEGY": ("E003", _name),  # then one of STRATEGIES: _strategy
     "RETRY_BACKOFF_BASE": ("E004", _number(seconds=True)),
     "RETRY_BACKOFF_MULTIPLIER": ("E004", _number()),

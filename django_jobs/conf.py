@@ -18,6 +18,9 @@ BUILTIN_HANDLERS: dict[str, str] = {
     "event": "django_jobs.handlers.EventHandler",
 }
 
+# The longest queue name: the ``queue`` columns of the job tables hold this many characters.
+QUEUE_NAME_LENGTH = 100
+
 DEFAULTS: dict[str, Any] = {
     "DEFAULT_BACKEND": "default",
     "BACKENDS": {"default": {"ENGINE": "database"}},
@@ -92,8 +95,9 @@ def get(key: str) -> Any:
     return DEFAULTS[key]
 
 
-def names_problem(value: Any, *, ordered: bool = False) -> str | None:
-    """Why ``value`` is not a list of non-empty strings, or ``None`` when it is.
+def names_problem(value: Any, *, ordered: bool = False, longest: int | None = None) -> str | None:
+    """Why ``value`` is not a list of non-empty strings (of at most ``longest`` characters), or
+    ``None`` when it is.
 
     A bare ``str`` is refused above all: iterated, it would be read one character at a time
     (queue ``d``, a one-character allowlist entry). Sets are accepted unless order matters.
@@ -106,13 +110,15 @@ def names_problem(value: Any, *, ordered: bool = False) -> str | None:
             return f"must be a list of non-empty strings; it holds {describe(item)}"
         if "\x00" in item:  # PostgreSQL cannot store it; Redis's flow records use it as a separator
             return f"must not hold a NUL character; it holds {describe(item)}"
+        if longest is not None and len(item) > longest:
+            return f"must hold names of at most {longest} characters; it holds one of {len(item)}"
     return None
 
 
-def names(key: str, *, ordered: bool = False) -> list[str]:
+def names(key: str, *, ordered: bool = False, longest: int | None = None) -> list[str]:
     """``JOBS[key]`` as a list of strings, or ImproperlyConfigured (never characters of a str)."""
     value = get(key)
-    problem = names_problem(value, ordered=ordered)
+    problem = names_problem(value, ordered=ordered, longest=longest)
     if problem:
         raise ImproperlyConfigured(f"JOBS[{key!r}] {problem}")
     return list(value)
@@ -144,7 +150,7 @@ def queues() -> list[str]:
     """``JOBS["QUEUES"]`` (``["default"]`` when empty); a str is ImproperlyConfigured, never queue ``d``."""
     if not get("QUEUES"):
         return ["default"]
-    return names("QUEUES", ordered=True)
+    return names("QUEUES", ordered=True, longest=QUEUE_NAME_LENGTH)
 
 
 def default_queue() -> str:

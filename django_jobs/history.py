@@ -139,7 +139,8 @@ class Deferred:
             self._rows.append(row)
 
     def write(self, rows: list[dict[str, Any]] | None = None) -> None:
-        """Write the kept rows, then ``rows``, in one statement (:func:`record_many`)."""
+        """Write the kept rows, then ``rows``, in one statement (:func:`record_many`), once the
+        write under way in another thread, if any, has ended."""
         with self._writing:
             with self._kept:
                 kept, self._rows = self._rows, []

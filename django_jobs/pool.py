@@ -43,10 +43,11 @@ PR_SET_PDEATHSIG = 1
 STARTING, RUNNING, FINISHED = 0, 1, 2
 # Deaths at start-up in a row after which the supervisor gives up.
 STARTUP_DEATHS = 5
-# A worker process's claims, shared with the supervisor: "queue<US>owner token<US>lease token of
-# the job in hand<US>its job id", then "<US>lease token<US>job id" for each failed run whose
-# requeue waits for the batch (the job id left out where it is the token, as on the database and
-# Redis backends). Room for about 100 of those, ``PREFETCH``'s default, with ``HAND_ROOM`` kept
+# A worker process's claims, shared with the supervisor: "<length of the queue's name>:queue<US>
+# owner token<US>lease token of the job in hand<US>its job id", then "<US>lease token<US>job id"
+# for each failed run whose requeue waits for the batch (the job id left out where it is the
+# token, as on the database and Redis backends). The queue's name is read by its length: it may
+# hold the separator. Room for about 100 of those, ``PREFETCH``'s default, with ``HAND_ROOM`` kept
 # for the job in hand; past that, the next failed runs' requeues are written at once.
 CLAIMS_BYTES = 4096
 HAND_ROOM = 256
@@ -386,7 +387,9 @@ class Claims(NamedTuple):
         text = shared.value.decode(errors="replace")
         if not text:
             return None
-        queue, owner, running, job_id, *failed = text.split(SEPARATOR)
+        length, _, text = text.partition(":")
+        queue, text = text[: int(length)], text[int(length) + 1 :]
+        owner, running, job_id, *failed = text.split(SEPARATOR)
         pairs = tuple(zip(failed[::2], failed[1::2], strict=False))
         return Claims(queue, owner, running or None, job_id or None, pairs)
 
@@ -441,7 +444,8 @@ class Recorder:
 
     def _text(self) -> bytes:
         failed = [part for pair in self._failed.items() for part in pair]
-        return SEPARATOR.join((*self._claim, *self._running, *failed)).encode()
+        queue, owner = self._claim
+        return f"{len(queue)}:{SEPARATOR.join((queue, owner, *self._running, *failed))}".encode()
 
     def _keep(self, text: bytes, room: int = 0) -> bool:
         """Write ``text`` where ``room`` bytes more would still fit; ``False`` if it would not."""

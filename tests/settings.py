@@ -202,6 +202,8 @@ if os.environ.get("JOBS_TEST_LEASE_TIMEOUT"):
     JOBS["LEASE_TIMEOUT"] = float(os.environ["JOBS_TEST_LEASE_TIMEOUT"])
 if os.environ.get("JOBS_TEST_ABORT_GRACE"):
     JOBS["ABORT_GRACE"] = float(os.environ["JOBS_TEST_ABORT_GRACE"])
+if os.environ.get("JOBS_TEST_QUEUES"):  # JSON: more JOBS["QUEUES"] of the workers a process test starts
+    JOBS["QUEUES"] = [*JOBS["QUEUES"], *json.loads(os.environ["JOBS_TEST_QUEUES"])]
 if os.environ.get("JOBS_TEST_LIMITS"):  # JSON: JOBS["LIMITS"] of the workers a process test starts
     JOBS["LIMITS"] = json.loads(os.environ["JOBS_TEST_LIMITS"])
 

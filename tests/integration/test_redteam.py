@@ -237,3 +237,26 @@ def test_redteam_a_queue_name_with_a_nul_character_is_refused(redis_up):
         assert errors == ["QUEUES must not hold a NUL character; it holds 'a\\x00b' (a str)"], errors
         with pytest.raises(ImproperlyConfigured, match="NUL"):
             jobs.scripted.using(backend="redis", queue="a\x00b").dispatch(action="ok")
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+def test_redteam_a_queue_name_longer_than_its_column_is_refused(postgres_up):
+    """docs/settings.md: `QUEUES` lists the known queue names. Attack: a name of 200 characters
+    (`é` * 200). The database backend on PostgreSQL raised `DataError` (`value too long for
+    type character varying(100)`) at dispatch; SQLite stored it whole, and Redis queued it,
+    though the `Job` row of its failed or kept jobs has the same 100-character column. Such a
+    name is refused by the check (E010) and at dispatch, on every backend."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from django_jobs.checks import check_settings
+
+    long_name = "é" * 200
+    with override_settings(JOBS={**settings.JOBS, "QUEUES": ["default", long_name]}):
+        errors = [e.msg for e in check_settings() if e.id == "django_jobs.E010"]
+        assert len(errors) == 1 and "at most 100 characters" in errors[0], errors
+        for backend in ("pg", "default"):
+            with pytest.raises(ImproperlyConfigured, match="at most 100 characters"):
+                jobs.scripted.using(backend=backend, queue=long_name).dispatch(action="ok")
+    with override_settings(JOBS={**settings.JOBS, "QUEUES": ["default", "é" * 100]}):
+        assert not [e for e in check_settings() if e.id == "django_jobs.E010"]
+        jobs.scripted.using(backend="pg", queue="é" * 100).dispatch(action="ok")

@@ -5,12 +5,22 @@ Each test names the promise it checks (the page and its words) and the attack th
 
 from __future__ import annotations
 
-import pytest
+import json
+import os
+import signal
+import time
+from collections import Counter
 
+import pytest
+from django.conf import settings
+from django.test import override_settings
+
+from django_jobs import Jobs
 from django_jobs.history import attempts_of
 from django_jobs.models import Job, JobStatus
 from tests.procs import processes, wait_until, worker_env
 from tests.testapp.jobs import scripted
+from tests.testapp.models import SideEffect
 
 PROCESS_DB = pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
 FINAL = ("retrying", "failed", "completed")
@@ -100,3 +110,94 @@ def test_redteam_fast_failures_kept_for_the_batch_then_worker_death_each_counted
         assert numbers == sorted(numbers) and set(numbers) == {1, 2}, attempts
         assert {outcome for number, outcome in attempts if number == 1} <= {"retrying", "lost"}, attempts
         assert attempts[-1] == (2, "failed"), attempts
+
+
+# A queue name with the character the supervisor's shared claims use as their separator.
+ODD_QUEUE = "odd\x1fqueue"
+
+
+@pytest.mark.slow
+@PROCESS_DB
+def test_redteam_queue_name_with_a_unit_separator_keeps_the_supervisors_count(batched_backend):
+    """docs/leases.md: when a worker process dies, its supervisor counts a lost run for the job
+    in hand, "so a job that kills its worker every time still ends `failed` after
+    `max_retries + 1` runs"; docs/settings.md refuses only a NUL in a queue name.
+
+    Attack: the queue's name holds ``\\x1f``, the separator of the claims a worker process keeps
+    in shared memory; its job exits at once, every run (its start never written). The
+    supervisor must still read the claims and count each death: with ``max_retries=1``, each
+    job runs exactly twice."""
+    backend, alias = batched_backend
+    queues = {**settings.JOBS, "QUEUES": [*settings.JOBS["QUEUES"], ODD_QUEUE]}
+    with override_settings(JOBS=queues):
+        ids = [
+            scripted.using(backend=backend, queue=ODD_QUEUE, max_retries=1).dispatch(
+                action="exit", key=f"odd{i}", db=alias
+            )
+            for i in range(2)
+        ]
+    jobs = Job.objects.using(alias)
+    env = worker_env(lease_timeout=3, JOBS_TEST_QUEUES=json.dumps([ODD_QUEUE]))
+    with processes() as procs:
+        worker = procs.worker(ODD_QUEUE, "--backend", backend, env=env)
+        wait_until(
+            lambda: jobs.filter(id__in=ids, status=JobStatus.FAILED).count() == len(ids), 30, "both jobs to fail"
+        )
+        worker.stop()
+    for i, job_id in enumerate(ids):
+        runs = SideEffect.objects.using(alias).filter(key=f"odd{i}").count()
+        assert runs == 2, f"job {job_id} (max_retries=1) ran {runs} times\n{worker.output()}"
+        assert jobs.get(id=job_id).attempts == 2
+
+
+def _worker_processes(supervisor: int) -> list[int]:
+    """The pids of the processes ``supervisor`` forked (Linux)."""
+    try:
+        with open(f"/proc/{supervisor}/task/{supervisor}/children") as f:
+            return [int(pid) for pid in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.mark.slow
+@PROCESS_DB
+@pytest.mark.parametrize(
+    "backend_and_alias",
+    [
+        pytest.param(("redis", "default"), id="redis"),
+        pytest.param(("pg", "postgres"), id="database-postgres", marks=pytest.mark.postgres),
+        pytest.param(("default", "default"), id="database-sqlite"),
+    ],
+)
+def test_redteam_fast_failures_of_three_processes_killed_in_turn_each_counted_once(backend_and_alias, request):
+    """docs/retries.md: a job runs at most ``max_retries + 1`` times, its history one row per
+    attempt in order; docs/leases.md: the supervisor of a worker process that dies counts the
+    job in hand and every failed run whose requeue waited for the batch.
+
+    Attack: 300 jobs that fail within microseconds, retried at once (``max_retries=3``), by 3
+    worker processes, four of which are SIGKILLed in turn while the supervisor lives (the
+    batch's writes then race the next claim; on SQLite each write waits for the database's
+    lock). Every job ends failed after exactly 4 counted runs, with no run uncounted. (A kill
+    inside the job before it wrote its side effect counts a run this test cannot see: the
+    history then says ``lost``.)"""
+    backend, alias = backend_and_alias
+    request.getfixturevalue("redis_up" if backend == "redis" else "postgres_up")
+    keys = [f"storm{i}" for i in range(300)]
+    ids = Jobs.bulk([scripted.using(max_retries=3).builder(action="raise", key=key, db=alias) for key in keys], backend)
+    jobs = Job.objects.using(alias)
+    with processes() as procs:
+        worker = procs.worker("--backend", backend, "--concurrency", "3", env=worker_env())
+        for victim in range(4):
+            wait_until(lambda: len(_worker_processes(worker.pid)) == 3, 10, "three worker processes")
+            time.sleep(0.2)  # let the new process fail a few jobs
+            os.kill(_worker_processes(worker.pid)[victim % 3], signal.SIGKILL)
+        wait_until(lambda: jobs.filter(id__in=ids, status=JobStatus.FAILED).count() == len(ids), 50, "all failed")
+        assert worker.stop() == 0, worker.output()
+    runs = Counter(SideEffect.objects.using(alias).filter(key__in=keys).values_list("key", flat=True))
+    for job_id, key in zip(ids, keys, strict=True):
+        attempts = [(a.attempt, a.outcome) for a in attempts_of(job_id, using=alias)]
+        numbers = [number for number, _ in attempts]
+        assert jobs.get(id=job_id).attempts == 4
+        lost = any(outcome == "lost" for _, outcome in attempts)
+        assert runs[key] in ((3, 4) if lost else (4,)), (job_id, runs[key], attempts)
+        assert numbers == sorted(numbers) and set(numbers) == {1, 2, 3, 4}, attempts

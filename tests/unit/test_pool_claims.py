@@ -59,3 +59,15 @@ def test_a_failed_run_of_another_claim_or_past_the_room_is_not_kept() -> None:
     recorder.in_hand(lease("f" * 32), True)  # room is kept for the job in hand
     claims = Claims.read(memory)
     assert claims is not None and claims.running == "f" * 32 and len(claims.counted) == kept + 1
+
+
+def test_a_queue_name_with_the_separator_or_a_colon_is_read_back_whole() -> None:
+    memory = shared()
+    recorder = Recorder(memory)
+    queue = "odd\x1fqueue:" + "\U0001f600" * 3
+    recorder.in_hand(lease("a", queue=queue), True)
+    assert recorder.unwritten(lease("a", queue=queue))
+    recorder.in_hand(lease("b", queue=queue), True)
+    claims = Claims.read(memory)
+    assert claims is not None
+    assert (claims.queue, claims.owner, claims.running, claims.counted) == (queue, "o" * 32, "b", ["b", "a"])
