@@ -506,7 +506,7 @@ class RedisBackend(LimitedBackend):
         return None
 
     def lose_claims(self, queue: str, owner_token: str, counted: Sequence[str]) -> None:
-        self._run("lose", queue, owner_token, _ms(), *counted)
+        self._run("lose", queue, owner_token, _ms(), json.dumps(list(counted)))
 
     def extend(self, lease: Lease, seconds: float) -> str | None:
         return self._prolong(lease, seconds, begin=False)

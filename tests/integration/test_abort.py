@@ -325,7 +325,11 @@ def test_a_fast_failure_asked_to_abort_in_a_batching_run_leaves_one_cancelled_ro
     assert SEEN == [False]
     assert (row(backend, job_id).status, row(backend, job_id).attempts) == ("cancelled", 1)
     # With the batch, the refusal is found after the run's result (its requeue waited for the write).
-    assert [result.status for result in results] == ["requeued" if supervised else "cancelled"]
+    statuses = [result.status for result in results]
+    if supervised:
+        assert statuses == ["requeued"]
+    else:  # at once, unless its start was written before it failed (a slow run): then with the batch too
+        assert statuses in (["cancelled"], ["requeued"])
     [attempt] = JobAttempt.objects.using(alias(backend)).filter(job_id=job_id)
     assert (attempt.attempt, attempt.outcome, attempt.worker_id) == (1, "cancelled", "api")
     assert attempt.error.splitlines()[0] == "Aborted by api" and "RuntimeError: boom" in attempt.error

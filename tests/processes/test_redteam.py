@@ -186,12 +186,14 @@ def test_redteam_fast_failures_of_three_processes_killed_in_turn_each_counted_on
     ids = Jobs.bulk([scripted.using(max_retries=3).builder(action="raise", key=key, db=alias) for key in keys], backend)
     jobs = Job.objects.using(alias)
     with processes() as procs:
-        worker = procs.worker("--backend", backend, "--concurrency", "3", env=worker_env())
+        # A kill between a claim's commit and its record in shared memory leaves that claim to the
+        # reaper (its jobs never ran: handed back uncounted), one lease timeout later.
+        worker = procs.worker("--backend", backend, "--concurrency", "3", env=worker_env(lease_timeout=10))
         for victim in range(4):
             wait_until(lambda: len(_worker_processes(worker.pid)) == 3, 10, "three worker processes")
             time.sleep(0.2)  # let the new process fail a few jobs
             os.kill(_worker_processes(worker.pid)[victim % 3], signal.SIGKILL)
-        wait_until(lambda: jobs.filter(id__in=ids, status=JobStatus.FAILED).count() == len(ids), 50, "all failed")
+        wait_until(lambda: jobs.filter(id__in=ids, status=JobStatus.FAILED).count() == len(ids), 90, "all failed")
         assert worker.stop() == 0, worker.output()
     runs = Counter(SideEffect.objects.using(alias).filter(key__in=keys).values_list("key", flat=True))
     for job_id, key in zip(ids, keys, strict=True):
@@ -200,4 +202,6 @@ def test_redteam_fast_failures_of_three_processes_killed_in_turn_each_counted_on
         assert jobs.get(id=job_id).attempts == 4
         lost = any(outcome == "lost" for _, outcome in attempts)
         assert runs[key] in ((3, 4) if lost else (4,)), (job_id, runs[key], attempts)
-        assert numbers == sorted(numbers) and set(numbers) == {1, 2, 3, 4}, attempts
+        # In order; the last run's row may be missing: a kill between the settle that failed the
+        # job for good and its row's INSERT loses the row (docs/retries.md), never the count.
+        assert numbers == sorted(numbers) and set(numbers) in ({1, 2, 3, 4}, {1, 2, 3}), attempts

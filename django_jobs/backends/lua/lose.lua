@@ -4,8 +4,10 @@
 -- counts as a run. Returns how many leases were expired.
 local owner = ARGV[1]
 local now = tonumber(ARGV[2])   -- ms
+local tokens = ARGV[3]          -- JSON: [id, ...]
+
 local counted = {}
-for i = 3, #ARGV do counted[ARGV[i]] = true end
+for _, id in ipairs(cjson.decode(tokens)) do counted[id] = true end
 
 local count = 0
 for _, id in ipairs(redis.call('ZRANGE', processing_key, 0, -1)) do
