@@ -76,21 +76,24 @@ class SettlingBackend:
         return [], [self.outcomes[requeue.lease.token] for requeue in requeues]
 
 
-def test_a_start_brings_the_next_write_within_half_an_ack_interval() -> None:
+def test_a_start_brings_the_next_write_within_half_an_ack_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]  # the batches' clock, moved by hand: a thread switched out between reads moves nothing
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
     heartbeat = RecordingHeartbeat()
     held = batches(heartbeat)
     with held._lock:
         held._watch_later()  # as a claim does: the acks' write, one ack interval away
     assert heartbeat.timer is not None
     claimed_due = heartbeat.timer[0]
+    assert claimed_due == pytest.approx(now[0] + BATCH_SECONDS)
 
-    before = time.monotonic()
+    now[0] += BATCH_SECONDS / 5
     held.started(lease("a"))
-    after = time.monotonic()  # the thread may be switched out between the two: bound it by both
-    assert heartbeat.timer is not None and before + BATCH_SECONDS / 2 <= heartbeat.timer[0] <= after + BATCH_SECONDS / 2
+    assert heartbeat.timer is not None and heartbeat.timer[0] == pytest.approx(now[0] + BATCH_SECONDS / 2)
     assert heartbeat.timer[0] < claimed_due
 
     sooner = heartbeat.timer[0]
+    now[0] += BATCH_SECONDS / 5
     held.started(lease("b"))  # a start never puts the write off
     assert heartbeat.timer[0] == sooner
 
