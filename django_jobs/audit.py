@@ -19,7 +19,7 @@ from django.db import connections, router
 from django.utils import timezone
 
 from . import signing
-from .envelope import Envelope, new_id
+from .envelope import Envelope, new_id, storable
 from .exceptions import BadSignature, InvalidPayload
 from .ids import time_of
 from .models import Job, JobStatus, envelope_columns
@@ -107,13 +107,13 @@ _INT_RANGE = (-(2**31), 2**31 - 1)
 
 def _fitted(fields: dict[str, Any]) -> dict[str, Any]:
     """Fields as their columns hold them, so a record is kept whatever the message carried:
-    text cut to its column's length and U+0000 (which PostgreSQL refuses) replaced, integers
-    clamped to their column's range."""
+    text cut to its column's length, with what no backend can store replaced
+    (:func:`~django_jobs.envelope.storable`), integers clamped to their column's range."""
     fitted = dict(fields)
     for name, value in fields.items():
         field = Job._meta.get_field(name)
         if isinstance(value, str):
-            value = value.replace("\x00", "\ufffd")
+            value = storable(value)
             limit = getattr(field, "max_length", None)
             fitted[name] = value[:limit] if limit else value
         elif (

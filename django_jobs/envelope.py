@@ -36,6 +36,17 @@ def dumps_payload(payload: Any) -> str:
 _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
+# What no backend can store in a text: U+0000 and lone surrogates.
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable(text: str) -> str:
+    """``text`` as every backend can store it: U+0000 (which PostgreSQL refuses) and lone
+    surrogates (which no UTF-8 encoder takes) replaced by U+FFFD. An exception's message may
+    hold either; written as it is, its settle would fail like an outage, again and again."""
+    return _UNSTORABLE.sub("\ufffd", text)
+
+
 def check_storable(value: Any, text: str) -> None:
     """Refuse a payload or kept result (``text``: its JSON) that holds U+0000, which PostgreSQL
     cannot store, or a lone surrogate, which no UTF-8 encoder takes (PostgreSQL's ``jsonb``

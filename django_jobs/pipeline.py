@@ -22,7 +22,6 @@ import inspect
 import linecache
 import logging
 import os
-import re
 import sys
 import time
 import traceback
@@ -38,7 +37,7 @@ from django.utils import timezone
 from . import conf, coroutines, history, registry, signing
 from .backends.base import Hold, Lease, QueueBackend
 from .current import running_job
-from .envelope import Envelope, check_storable, dumps_payload
+from .envelope import Envelope, check_storable, dumps_payload, storable
 from .exceptions import (
     AbortRequested,
     BadSignature,
@@ -196,10 +195,6 @@ class JobContext:
         return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
 
 
-# What no backend can store in a text: U+0000 and lone surrogates.
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
-
-
 def format_error(exc: BaseException) -> str:
     """``ExceptionClass: message`` followed by the traceback, bounded in size.
 
@@ -214,13 +209,6 @@ def format_error(exc: BaseException) -> str:
         trace = "".join(_plain(traceback.TracebackException.from_exception(exc)).format())
     text = storable(f"{type(exc).__name__}: {message}\n" + trace)
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 20] + "\n... (truncated)"
-
-
-def storable(text: str) -> str:
-    """``text`` as every backend can store it: U+0000 (which PostgreSQL refuses) and lone
-    surrogates (which no UTF-8 encoder takes) replaced by U+FFFD. An exception's message may
-    hold either; written as it is, its settle would fail like an outage, again and again."""
-    return _UNSTORABLE.sub("\ufffd", text)
 
 
 # Exceptions whose last line Python adds to (a "Did you mean" hint, a syntax error's place).
