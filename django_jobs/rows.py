@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
 from types import MappingProxyType
 from typing import Any, TypeVar
 
 from django.db import models
+
+from .jsoncolumns import FloatKeepingEncoder
 
 T = TypeVar("T")
 
@@ -78,10 +81,10 @@ def insert_many(
 ) -> None:
     """INSERT rows of ``model``, each from a dict as :func:`insert` takes it (all with the same
     attribute names, and the same ``fixed``), with a bounded number of parameters per statement
-    whatever their number: on PostgreSQL :data:`ROWS_PER_STATEMENT` rows at a time, each column
-    one array (``UNNEST``) or, when every row has the same value, that value once; elsewhere the
-    one-row INSERT run for each (the driver batches it: MySQL's into multi-row INSERTs,
-    SQLite's in one call). ``async_commit``: as :func:`insert` takes it."""
+    whatever their number: on PostgreSQL :data:`ROWS_PER_STATEMENT` rows at a time, in one JSON
+    text (:func:`_json_insert`); elsewhere the one-row INSERT run for each (the driver batches
+    it: MySQL's into multi-row INSERTs, SQLite's in one call). ``async_commit``: as
+    :func:`insert` takes it."""
     if not values:
         return
     fields = [f for f in model._meta.concrete_fields if f.attname in values[0]]
@@ -96,7 +99,7 @@ def insert_many(
             return
         tail = ASYNC_COMMIT if async_commit and commits_async(connection) else ""
         for batch in chunked(values, ROWS_PER_STATEMENT):
-            sql, params = _unnest(head, fields, literals, batch, connection)
+            sql, params = _json_insert(head, fields, literals, batch, connection)
             cursor.execute(sql + tail, params)
 
 
@@ -119,29 +122,40 @@ def literal(value: Any) -> str:
     raise ValueError(f"{value!r} is not written as an SQL constant; pass it as a parameter")
 
 
-def _unnest(
+def _json_insert(
     head: str, fields: list[Any], literals: list[str], batch: Sequence[dict[str, Any]], connection: Any
 ) -> tuple[str, list[Any]]:
-    """PostgreSQL's INSERT of ``batch`` and its parameters: the same value in every row once,
-    the others one array per column, read back by ``UNNEST``; then the ``literals``."""
+    """PostgreSQL's INSERT of ``batch`` and its one parameter: the rows as one JSON array of
+    arrays, each value prepared by its field (a date as ISO 8601 text, a JSON column's value as
+    JSON, written as :class:`~django_jobs.jsoncolumns.FloatKeepingEncoder` writes it), read
+    back with a cast per column; then the ``literals``. The driver quotes one text, where it
+    quoted every element of an array per column in Python; a JSON ``null`` is ``NULL``."""
     selected: list[str] = []
-    unnested: list[str] = []
-    constants: list[Any] = []
-    arrays: list[list[Any]] = []
-    for f, kind in _typed(fields):
+    for index, f in enumerate(fields):
         # The type without its length (varchar, not varchar(64)), as Django's bulk_create.
         sql_type = f.db_type(connection).split("(")[0]
-        column = [one[f.attname] for one in batch]
-        if column.count(column[0]) == len(column):
-            selected.append(f"%s::{sql_type}")
-            constants.append(_prepare(f, kind, column[0], connection))
-        else:
-            selected.append(f"batch.c{len(arrays)}")
-            unnested.append(f"%s::{sql_type}[]")
-            arrays.append([_prepare(f, kind, value, connection) for value in column])
-    selected += literals
-    source = f" FROM UNNEST({', '.join(unnested)}) AS batch({', '.join(f'c{i}' for i in range(len(arrays)))})"
-    return f"{head} SELECT {', '.join(selected)}{source if arrays else ''}", [*constants, *arrays]
+        selected.append(
+            f"NULLIF(r->{index}, 'null')" if isinstance(f, models.JSONField) else f"(r->>{index})::{sql_type}"
+        )
+    # A value goes as it is when None, of its field's plain type, or a JSON column's.
+    columns = [(f, kind, isinstance(f, models.JSONField)) for f, kind in _typed(fields)]
+    rows = [
+        [
+            value
+            if (value := one[f.attname]) is None or as_is or type(value) is kind
+            else _json_value(f, value, connection)
+            for f, kind, as_is in columns
+        ]
+        for one in batch
+    ]
+    sql = f"{head} SELECT {', '.join(selected + literals)} FROM jsonb_array_elements(%s::jsonb) AS r"
+    return sql, [_ROWS.encode(rows)]
+
+
+def _json_value(field: Any, value: Any, connection: Any) -> Any:
+    """``value`` of ``field`` prepared as the ORM would, as :func:`_json_insert` writes it."""
+    value = field.get_db_prep_save(value, connection)
+    return value.isoformat() if isinstance(value, datetime) else value
 
 
 def _typed(fields: list[Any]) -> list[tuple[Any, type | None]]:
@@ -172,6 +186,9 @@ _STORED_AS_IS: tuple[tuple[tuple[type, ...], type], ...] = (
     ((models.BooleanField,), bool),
     ((models.FloatField,), float),
 )
+# The rows of a PostgreSQL INSERT of several (:func:`_json_insert`): a float as the job table's
+# JSON columns keep it, so as every float column does.
+_ROWS = FloatKeepingEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 # Each field's plain type, worked out once.
 _PLAIN_TYPES: dict[Any, type | None] = {}
 

@@ -4,7 +4,7 @@ recorded starts of the runs claimed ahead that began, and the requeues of its fa
 Each row is fenced on its own (id, owner token) pair, as a single settle is, and by the same
 extra condition: an ack only where no job waits for the row (a row with dependents is acked on
 the transactional path, which resolves its edges), a requeue only where nobody asked to abort
-the job. The rows reach the statement as one JSON text (PostgreSQL ``json_array_elements``,
+the job. The rows reach the statement as one JSON text (PostgreSQL ``jsonb_array_elements``,
 SQLite ``json_each``), so its parameters are the same two whatever the batch's size.
 """
 
@@ -41,15 +41,16 @@ FENCE = (
     f"WHEN '{ACK}' THEN NOT {TABLE}.has_dependents WHEN '{REQUEUE}' THEN {TABLE}.abort_requested IS NULL ELSE TRUE END"
 )
 # PostgreSQL. Parameters: updated_at, then the rows as one JSON array of arrays (one text to
-# send, where an array per column had each of its elements quoted by the driver). The rows are
+# send, where an array per column had each of its elements quoted by the driver), read as jsonb:
+# parsed once, where each ``->>`` on a json value parses its text again. The rows are
 # found by primary key whatever the table's size and statistics: the ids reach the planner as
 # ``ARRAY(SELECT …)``, whose length it cannot see, so it looks them up in the index (joined to
 # the rows alone, it may scan a table of a few thousand rows).
 SETTLE_PG = (
-    f"UPDATE {TABLE} SET {ASSIGNMENTS} FROM (SELECT %s::json AS rows) AS b, "
+    f"UPDATE {TABLE} SET {ASSIGNMENTS} FROM (SELECT %s::jsonb AS rows) AS b, "
     "LATERAL (SELECT r->>0 AS id, r->>1 AS owner, r->>2 AS kind, (r->>3)::int AS runs, "
-    "(r->>4)::timestamptz AS due, r->>5 AS error FROM json_array_elements(b.rows) AS r) AS s "
-    f"WHERE {TABLE}.id = ANY(ARRAY(SELECT r->>0 FROM json_array_elements(b.rows) AS r)) AND {FENCE} "
+    "(r->>4)::timestamptz AS due, r->>5 AS error FROM jsonb_array_elements(b.rows) AS r) AS s "
+    f"WHERE {TABLE}.id = ANY(ARRAY(SELECT r->>0 FROM jsonb_array_elements(b.rows) AS r)) AND {FENCE} "
     f"RETURNING {TABLE}.id"
 )
 # SQLite. Parameters: updated_at, then the rows as one JSON array of arrays.

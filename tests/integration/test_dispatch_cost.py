@@ -12,18 +12,21 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import redis.connection
 from django.db import connections
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from django_jobs import Jobs
 from django_jobs.backends import redis_connection
 from django_jobs.backends.base import QueueBackend
 from django_jobs.backends.redis import RedisBackend
 from django_jobs.models import Job
+from django_jobs.worker import QueueWorker
 from tests.backend_params import BACKEND_PARAMS, PG_SERVER_SIDE_BINDING, BackendCase, backend_of, ready_case
 from tests.testapp.jobs import scripted
 
@@ -91,6 +94,51 @@ def test_a_bulk_of_2500_is_one_insert_per_1000_rows(database_backend):
     stored = Job.objects.using(backend.alias).filter(pk__in=ids)
     assert stored.count() == BULK
     assert set(stored.values_list("status", "attempts", "has_dependents").distinct()) == {("pending", 0, False)}
+
+
+# Values whose text form a driver must quote or a JSON column may rewrite: each is written by a
+# bulk (PostgreSQL: one JSON text for the rows) exactly as by one dispatch (a parameter each).
+AWKWARD = [
+    {"quote": 'it\'s "so"', "slash": "back\\slash", "braces": "{a,b} (c) [d]", "null": "NULL", "empty": ""},
+    {"floats": [1e20, 0.5, 1.5e300, 2.0], "ints": [0, -1, 2**53], "none": None, "bool": [True, False]},
+    {"text": "ünïcödé 字 \t tab \n newline", "nested": {"deep": [[{"x": None}], {}]}},
+]
+
+
+def _stored(alias: str, job_id: str) -> dict[str, Any]:
+    """A job row's columns, but those one dispatch and another never share."""
+    row = Job.objects.using(alias).values().get(pk=job_id)
+    for name in ("id", "signature", "created_at", "updated_at"):
+        row.pop(name)
+    return row
+
+
+def test_a_bulk_writes_each_row_as_one_dispatch_does(database_backend):
+    """What a bulk writes (on PostgreSQL one JSON text for its rows) is what one dispatch writes
+    (a parameter per value), for values a driver must quote and floats a JSON column may
+    rewrite; and each job runs, its signature verified, with the payload it was given."""
+    case, backend = database_backend
+    at = timezone.now().replace(microsecond=123456) + timedelta(days=1)
+    options: list[dict[str, Any]] = [
+        {"priority": -7, "timeout": 2.5, "name": "named", "idempotency_key": uuid.uuid4().hex, "scheduled_at": at},
+        {"max_retries": 3, "queue": "emails", "scheduled_at": at},
+        {"scheduled_at": at},
+    ]
+    single, builders = [], []
+    for payload, opts in zip(AWKWARD, options, strict=True):
+        once = {**opts, "idempotency_key": f"{opts['idempotency_key']}-single"} if "idempotency_key" in opts else opts
+        single.append(scripted.using(backend=case.name, **once).dispatch(key=None, db=case.side_effect_db, **payload))
+        builders.append(scripted.using(**opts).builder(key=None, db=case.side_effect_db, **payload))
+    bulked = Jobs.bulk(builders, backend=case.name)
+    for one, other in zip(single, bulked, strict=True):
+        expected, got = _stored(backend.alias, one), _stored(backend.alias, other)
+        if expected["idempotency_key"]:
+            expected["idempotency_key"] = expected["idempotency_key"].removesuffix("-single")
+        assert repr(got) == repr(expected)  # a float stays a float, not an equal int
+        assert got["payload"]["kwargs"] == {"key": None, "db": case.side_effect_db, **AWKWARD[bulked.index(other)]}
+    Job.objects.using(backend.alias).filter(pk__in=single + bulked).update(available_at=timezone.now())
+    worker = QueueWorker(case.name, ["default", "emails"], prefetch=1)
+    assert sorted(worker.process_once(queue).status for queue in ["default"] * 4 + ["emails"] * 2) == ["acked"] * 6
 
 
 # -- Redis: round trips --
