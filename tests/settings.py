@@ -91,10 +91,11 @@ DATABASES = {
 }
 
 # The same PostgreSQL database through psycopg's server-side binding: a statement's parameters
-# travel apart from its text, at most 65,535 of them (the large fan-out tests).
+# travel apart from its text, at most 65,535 of them (the large fan-out tests), and a statement
+# run five times is prepared (docs/performance.md, Tuning: dispatch without a pooler).
 DATABASES["postgres_ssb"] = {
     **DATABASES["postgres"],
-    "OPTIONS": {"server_side_binding": True},
+    "OPTIONS": {"server_side_binding": True, "prepare_threshold": 5},
     "TEST": {"MIRROR": "postgres"},
 }
 
