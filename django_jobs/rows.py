@@ -22,6 +22,10 @@ T = TypeVar("T")
 IDS_PER_STATEMENT = 500
 # The most rows one INSERT of :func:`insert_many` writes on PostgreSQL.
 ROWS_PER_STATEMENT = 1000
+# The most characters of JSON one INSERT of :func:`insert_many` sends on PostgreSQL (its rows are
+# one jsonb value, which holds at most 256 MB; a row of small numbers takes up to about five times
+# its text there, and a character up to 4 bytes): more rows are split into several INSERTs.
+JSON_CHARS_PER_STATEMENT = 32 * 1024 * 1024
 
 # No columns (``fixed``'s default).
 NOTHING: Mapping[str, Any] = MappingProxyType({})
@@ -99,8 +103,9 @@ def insert_many(
             return
         tail = ASYNC_COMMIT if async_commit and commits_async(connection) else ""
         for batch in chunked(values, ROWS_PER_STATEMENT):
-            sql, params = _json_insert(head, fields, literals, batch, connection)
-            cursor.execute(sql + tail, params)
+            sql, rows = _json_insert(head, fields, literals, batch, connection)
+            for text in _json_texts(rows):
+                cursor.execute(sql + tail, [text])
 
 
 def _head(connection: Any, model: type[models.Model], fields: list[Any], fixed: Mapping[str, Any]) -> str:
@@ -124,12 +129,12 @@ def literal(value: Any) -> str:
 
 def _json_insert(
     head: str, fields: list[Any], literals: list[str], batch: Sequence[dict[str, Any]], connection: Any
-) -> tuple[str, list[Any]]:
-    """PostgreSQL's INSERT of ``batch`` and its one parameter: the rows as one JSON array of
-    arrays, each value prepared by its field (a date as ISO 8601 text, a JSON column's value as
-    JSON, written as :class:`~django_jobs.jsoncolumns.FloatKeepingEncoder` writes it), read
-    back with a cast per column; then the ``literals``. The driver quotes one text, where it
-    quoted every element of an array per column in Python; a JSON ``null`` is ``NULL``."""
+) -> tuple[str, list[list[Any]]]:
+    """PostgreSQL's INSERT of rows sent as one JSON array of arrays (its one parameter, see
+    :func:`_json_texts`), read back with a cast per column, then the ``literals``; and the rows
+    of ``batch``, each value prepared by its field (a date as ISO 8601 text, a JSON column's
+    value as JSON). The driver quotes one text, where it quoted every element of an array per
+    column in Python; a JSON ``null`` is ``NULL``."""
     selected: list[str] = []
     for index, f in enumerate(fields):
         # The type without its length (varchar, not varchar(64)), as Django's bulk_create.
@@ -149,7 +154,20 @@ def _json_insert(
         for one in batch
     ]
     sql = f"{head} SELECT {', '.join(selected + literals)} FROM jsonb_array_elements(%s::jsonb) AS r"
-    return sql, [_ROWS.encode(rows)]
+    return sql, rows
+
+
+def _json_texts(rows: list[list[Any]]) -> Iterator[str]:
+    """``rows`` as JSON texts of at most :data:`JSON_CHARS_PER_STATEMENT` characters each (a
+    row longer than that alone), written as :class:`~django_jobs.jsoncolumns.FloatKeepingEncoder`
+    writes the job table's JSON columns: halved until they fit."""
+    text = _ROWS.encode(rows)
+    if len(text) <= JSON_CHARS_PER_STATEMENT or len(rows) == 1:
+        yield text
+        return
+    half = len(rows) // 2
+    yield from _json_texts(rows[:half])
+    yield from _json_texts(rows[half:])
 
 
 def _json_value(field: Any, value: Any, connection: Any) -> Any:

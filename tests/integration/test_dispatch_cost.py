@@ -21,7 +21,7 @@ from django.db import connections
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_jobs import Jobs
+from django_jobs import Jobs, rows
 from django_jobs.backends import redis_connection
 from django_jobs.backends.base import QueueBackend
 from django_jobs.backends.redis import RedisBackend
@@ -94,6 +94,25 @@ def test_a_bulk_of_2500_is_one_insert_per_1000_rows(database_backend):
     stored = Job.objects.using(backend.alias).filter(pk__in=ids)
     assert stored.count() == BULK
     assert set(stored.values_list("status", "attempts", "has_dependents").distinct()) == {("pending", 0, False)}
+
+
+def test_a_bulk_too_large_for_one_statement_is_split(database_backend, monkeypatch):
+    """On PostgreSQL a bulk's rows are one jsonb value, which holds at most 256 MB: 1,000 jobs
+    of 300 KB each were refused whole ("total size of jsonb array elements exceeds the
+    maximum"). Rows past ``JSON_CHARS_PER_STATEMENT`` go in more statements, every one kept."""
+    case, backend = database_backend
+    connection = connections[backend.alias]
+    monkeypatch.setattr(rows, "JSON_CHARS_PER_STATEMENT", 20_000)
+    builders = [
+        scripted.builder(action="ok", key=None, db=case.side_effect_db, blob=f"{index}" * 2_000) for index in range(30)
+    ]
+    with CaptureQueriesContext(connection) as queries:
+        ids = Jobs.bulk(builders, backend=case.name)
+    inserts = [query for query in queries.captured_queries if "INSERT INTO" in query["sql"]]
+    if connection.vendor == "postgresql":
+        assert 4 <= len(inserts) <= 8, len(inserts)  # 30 rows of about 2,300 characters
+    stored = dict(Job.objects.using(backend.alias).filter(pk__in=ids).values_list("id", "payload"))
+    assert [stored[job_id]["kwargs"]["blob"] for job_id in ids] == [f"{index}" * 2_000 for index in range(30)]
 
 
 # Values whose text form a driver must quote or a JSON column may rewrite: each is written by a
