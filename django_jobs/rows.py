@@ -136,20 +136,20 @@ def _json_insert(
     value as JSON). The driver quotes one text, where it quoted every element of an array per
     column in Python; a JSON ``null`` is ``NULL``."""
     selected: list[str] = []
-    for index, f in enumerate(fields):
+    columns: list[tuple[Any, type | None, bool]] = []  # a value goes as it is when None, of this type, or JSON
+    for index, (f, kind) in enumerate(_typed(fields)):
+        as_json = isinstance(f, models.JSONField)
         # The type without its length (varchar, not varchar(64)), as Django's bulk_create.
-        sql_type = f.db_type(connection).split("(")[0]
         selected.append(
-            f"NULLIF(r->{index}, 'null')" if isinstance(f, models.JSONField) else f"(r->>{index})::{sql_type}"
+            f"NULLIF(r->{index}, 'null')" if as_json else f"(r->>{index})::{f.db_type(connection).split('(')[0]}"
         )
-    # A value goes as it is when None, of its field's plain type, or a JSON column's.
-    columns = [(f, kind, isinstance(f, models.JSONField)) for f, kind in _typed(fields)]
+        columns.append((f, kind, as_json))
     rows = [
         [
             value
-            if (value := one[f.attname]) is None or as_is or type(value) is kind
+            if (value := one[f.attname]) is None or as_json or type(value) is kind
             else _json_value(f, value, connection)
-            for f, kind, as_is in columns
+            for f, kind, as_json in columns
         ]
         for one in batch
     ]
