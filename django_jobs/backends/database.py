@@ -26,7 +26,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from .. import conf, rows
-from ..envelope import Envelope
+from ..envelope import Envelope, dumps_payload
 from ..exceptions import AbortRequested, InvalidPayload, JobAborted, LeaseLost, WorkerLost
 from ..models import ENVELOPE_COLUMNS, ClaimedAhead, Dependency, Job, JobStatus, envelope_columns, envelope_of
 from ..retry import after_lost_run
@@ -70,6 +70,10 @@ _FRESH = {
     for field in Job._meta.concrete_fields
     if field.attname not in _PER_JOB and field.db_default is NOT_PROVIDED
 }
+# How much longer than the JSON a dispatch measured a row's JSON columns may come back: jsonb
+# writes 5e-324 as 328 characters of decimal (with its ", " about 47 times "5e-324,"), and the
+# columns' encoder writes 1e308 as 310 (52 times "1e+308,").
+JSON_TEXT_GROWTH = 64
 RETURNED = (
     "id, handler, {payload}, {options}, signature, name, attempts, max_retries, "
     "priority, available_at, timeout, idempotency_key"
@@ -102,13 +106,12 @@ def _row_fields(row: tuple[Any, ...], queue: str, limit: int) -> dict[str, Any]:
         idempotency_key,
     ) = row
     try:
-        if len(payload) + len(options) > limit:
-            raise InvalidPayload(f"row of {len(payload)} payload bytes exceeds the {limit}-byte cap")
+        payload, options = _row_json(payload, options, limit)
         data = {
             "id": job_id,
             "handler": handler,
-            "payload": json.loads(payload),
-            "options": json.loads(options),
+            "payload": payload,
+            "options": options,
             "signature": signature,
             "name": name,
             "attempts": attempts,
@@ -122,6 +125,21 @@ def _row_fields(row: tuple[Any, ...], queue: str, limit: int) -> dict[str, Any]:
         raise InvalidPayload(f"job {job_id!r} has an undecodable payload: {exc}") from exc
     data["available_at"] = _dt(available_at)
     return data
+
+
+def _row_json(payload: str, options: str, limit: int) -> tuple[Any, Any]:
+    """A row's payload and options, parsed, if their JSON fits ``limit`` as a dispatch measures
+    it. The database hands a JSON column back as its own text, which may be far longer than what
+    was dispatched (PostgreSQL's ``jsonb``: a space after each ``,`` and ``:``, every number in
+    full decimal); text past ``limit`` is parsed, up to :data:`JSON_TEXT_GROWTH` times it, and
+    measured again. ``InvalidPayload`` past the cap."""
+    size = len(payload) + len(options)
+    if size > limit * JSON_TEXT_GROWTH:
+        raise InvalidPayload(f"row of {size} payload bytes exceeds the {limit}-byte cap")
+    parsed = json.loads(payload), json.loads(options)
+    if size > limit and sum(len(dumps_payload(value)) for value in parsed) > limit:
+        raise InvalidPayload(f"row of {size} payload bytes exceeds the {limit}-byte cap")
+    return parsed
 
 
 def _new_lease() -> tuple[datetime, str, datetime]:

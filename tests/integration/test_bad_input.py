@@ -207,6 +207,35 @@ def test_oversized_row_is_rejected_before_parsing(backend):
         good_job_still_runs(backend, worker)
 
 
+@pytest.mark.parametrize("pad", [[5e-324] * 300, [0] * 1200], ids=["tiny-floats", "small-ints"])
+def test_a_row_dispatch_accepted_runs_though_its_stored_json_is_longer(backend, pad):
+    """docs/settings.md: the payload's JSON must fit ``MAX_MESSAGE_BYTES`` at dispatch, and a
+    worker rejects a row whose payload and options exceed it. PostgreSQL hands ``jsonb`` back as
+    its own text, a space after every comma and numbers in full decimal (5e-324 is 328
+    characters): these payloads fit at dispatch, came back 2 to 47 times longer, and were
+    rejected unrun (red team). They run, with what they were given."""
+    with jobs_settings(MAX_MESSAGE_BYTES=3000):
+        job_id = scripted.using(backend=backend).dispatch(action="ok", key="fits", pad=pad)
+        result = QueueWorker(backend).process_once()
+    assert (result.status, result.job_id) == ("acked", job_id), result.error
+    assert runs("fits") == 1
+
+
+def test_a_row_past_the_cap_however_it_is_measured_is_rejected(backend):
+    """Text past the cap is parsed only up to a bound (64 times the cap), then measured as a
+    dispatch measures it: a row whose JSON exceeds the cap either way is still rejected."""
+    job_id = scripted.using(backend=backend).dispatch(action="ok", key="victim")
+    raw_update(
+        backend, job_id, "payload", '{"args": ["ok"], "kwargs": {"key": "victim", "pad": "%s"}}' % ("x" * 200_000)
+    )
+    with jobs_settings(MAX_MESSAGE_BYTES=2000):
+        worker = QueueWorker(backend)
+        result = worker.process_once()
+        assert_rejected(backend, result, job_id, "jobs_rejected_payload")
+        assert "cap" in result.error
+        good_job_still_runs(backend, worker)
+
+
 def test_job_payload_of_the_wrong_shape_fails_without_retry(backend):
     # Signed and valid JSON, but a @job payload must be {"args": [...], "kwargs": {...}}: the
     # function never runs, and InvalidPayload is permanent whatever max_retries says.
