@@ -137,6 +137,9 @@ class Batches:
         self.tickets.give_back(extra - max(len(claimed) - 1, 0))
         with self._lock:
             self._ahead.extend(claimed)
+            # What waited was written with the claim: the watch due for it is not, so that
+            # the heartbeat thread writes only what waits longer (none while batches are short).
+            self._watch_due = None
             if claimed:
                 self._claimed_at = time.monotonic()
                 self._watch_later()

@@ -98,6 +98,49 @@ def test_a_start_brings_the_next_write_within_half_an_ack_interval(monkeypatch: 
     assert heartbeat.timer[0] == sooner
 
 
+class ClaimingBackend:
+    """Writes what a claim carries and hands out the next batch: ``batches`` in turn."""
+
+    def __init__(self, *batches: list[Lease]) -> None:
+        self.batches = list(batches)
+        self.written: list[list[str]] = []
+
+    def settle_many_and_fetch(self, acks: list[Lease], requeues: list[Requeue], queue: str, limit: int) -> Any:
+        self.written.append([lease.token for lease in acks])
+        return [], [], self.batches.pop(0)
+
+
+def test_a_claim_that_wrote_the_waiting_acks_lets_the_next_start_set_the_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batches shorter than the ack interval: every ack and start is written with the next
+    claim, and the heartbeat thread writes nothing. The write a start scheduled is then not
+    kept for the next batch's jobs (each such write is one more statement, from another thread,
+    while jobs run): the next start schedules its own, half an interval from itself."""
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    heartbeat = RecordingHeartbeat()
+    backend = ClaimingBackend([lease("b")])
+    held = batches(heartbeat, backend)
+    held.tickets = type("Unlimited", (), {"reserve": lambda *a: 0, "give_back": lambda *a: None})()
+    first = lease("a")
+    held.started(first)
+    assert heartbeat.timer is not None
+    first_due = heartbeat.timer[0]
+    held.ack_later(first)
+    held.ended(first)
+
+    now[0] += BATCH_SECONDS / 5
+    held.claim(["default"], False)  # writes the ack of "a", claims "b"
+    assert backend.written == [["a"]]
+    now[0] += BATCH_SECONDS / 5  # past nothing yet: "b" starts before "a"'s write was due
+    next_ = held.take()
+    assert next_ is not None
+    held.started(next_)
+    assert heartbeat.timer is not None and heartbeat.timer[0] == pytest.approx(now[0] + BATCH_SECONDS / 2)
+    assert heartbeat.timer[0] > first_due
+
+
 def test_a_start_with_no_write_pending_schedules_one() -> None:
     heartbeat = RecordingHeartbeat()
     held = batches(heartbeat)
