@@ -145,6 +145,7 @@ def main() -> None:
             for engine in engines:
                 with override_settings(JOBS={**settings.JOBS, "DEFAULT_BACKEND": engine}):
                     one_by_one(200)  # connect, load the scripts, warm the caches
+                    bulk(200)  # the same for a bulk's statement
                     single, cpu = one_by_one(args.n)
                     many = bulk(args.n)
                     table = profile(args.profile, args.top)
