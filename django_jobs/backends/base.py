@@ -21,6 +21,7 @@ from ..exceptions import (
     BackendUnavailable,
     DependenciesNotSupported,
     InvalidPayload,
+    JobsError,
     LeaseLost,
     LimitsNotSupported,
     summary,
@@ -162,6 +163,12 @@ class QueueBackend(ABC):
     # Errors of the backend's client that mean its server could not be reached (not a refused
     # request): a dispatch raises them as ``BackendUnavailable``.
     unavailable_errors: tuple[type[Exception], ...] = (OSError,)
+
+    def refusal(self, exc: Exception) -> JobsError | None:
+        """One of :attr:`unavailable_errors` by which the server refused what was sent (a value
+        past one of its limits), not a failure to reach it: the error a dispatch raises instead,
+        or ``None``."""
+        return None
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         self.name = name
@@ -502,6 +509,9 @@ class QueueBackend(ABC):
                 else:
                     self.enqueue_many(envelopes)
             except self.unavailable_errors as exc:
+                refused = self.refusal(exc)
+                if refused is not None:
+                    raise refused from exc
                 raise BackendUnavailable(f"{self.where()} is unreachable: {summary(exc)}") from exc
 
         alias = None if self.transactional else atomic_alias()

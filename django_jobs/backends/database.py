@@ -27,7 +27,7 @@ from django.utils.dateparse import parse_datetime
 
 from .. import conf, rows
 from ..envelope import Envelope, dumps_payload
-from ..exceptions import AbortRequested, InvalidPayload, JobAborted, LeaseLost, WorkerLost
+from ..exceptions import AbortRequested, InvalidPayload, JobAborted, JobsError, LeaseLost, WorkerLost, summary
 from ..models import ENVELOPE_COLUMNS, ClaimedAhead, Dependency, Job, JobStatus, envelope_columns, envelope_of
 from ..retry import after_lost_run
 from . import db_settle
@@ -152,6 +152,16 @@ class DatabaseBackend(LimitedBackend):
     """Jobs as rows of ``django_jobs_job`` in the database ``OPTIONS["DATABASE"]``."""
 
     unavailable_errors = (OperationalError, InterfaceError)
+
+    def refusal(self, exc: Exception) -> JobsError | None:
+        """PostgreSQL's errors of class 54, *program limit exceeded* (a ``jsonb`` value past
+        256 MB, one nested past ``max_stack_depth``), are ``OperationalError`` too: the job is
+        refused, as a payload too large is."""
+        cause = exc.__cause__
+        state = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)  # psycopg 3, psycopg2
+        if isinstance(state, str) and state.startswith("54"):
+            return InvalidPayload(f"{self.where()} refused the job: {summary(exc)}")
+        return None
 
     supports_priority = True
     supports_dependencies = True

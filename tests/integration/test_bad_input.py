@@ -14,7 +14,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
-from django.db import connections
+from django.db import connections, transaction
 
 from django_jobs import Jobs
 from django_jobs.exceptions import InvalidPayload
@@ -320,3 +320,23 @@ def test_a_broker_records_a_failure_whose_fields_no_column_holds(redis_up):
 
     job = Job.objects.get(pk=envelope.id)
     assert (job.status, job.name, job.priority) == ("failed", ("n\ufffd" + "x" * 300)[:255], 2**31 - 1)
+
+
+@pytest.mark.postgres
+def test_a_job_past_a_limit_of_postgresql_is_refused_as_invalid_not_unreachable(postgres_up):
+    """PostgreSQL raises its errors of class 54 (program limit exceeded: a ``jsonb`` value past
+    256 MB, one nested deeper than ``max_stack_depth`` allows) as ``OperationalError``, the class
+    of a lost connection: such a job is refused as a payload too large is, so that code that
+    retries on ``BackendUnavailable`` does not send it again and again."""
+    nested: object = 0
+    for _ in range(800):  # past the depth 100 kB of stack parses (about 650), within Python's
+        nested = [nested]
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("SET LOCAL max_stack_depth = '100kB'")  # the test's transaction: undone with it
+    with pytest.raises(InvalidPayload) as raised, transaction.atomic(using="postgres"):
+        Jobs.define("command", {"deep": nested}).dispatch(backend="pg")
+    assert not isinstance(raised.value, ConnectionError)
+    assert str(raised.value).startswith("backend 'pg' (") and "refused the job: " in str(raised.value)
+    assert "stack depth limit exceeded" in str(raised.value)
+    assert raised.value.__cause__ is not None, "the driver's own error is chained"
+    assert Job.objects.using("postgres").count() == 0
