@@ -432,3 +432,46 @@ def check_backend_persistence(app_configs: Any = None, **kwargs: Any) -> list[ch
                 )
             )
     return warnings
+
+
+# The connections a worker process holds at once: its main thread's and its heartbeat's, kept
+# for its life, and one its presence thread takes at each beat.
+POOLED_CONNECTIONS = 3
+
+
+@checks.register(checks.Tags.database, TAG)
+def check_connection_pools(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """A database backend on a database with Django's connection pool (``OPTIONS["pool"]`` on
+    PostgreSQL): each thread of a worker process that queries takes its own connection from the
+    pool. One pool smaller than :data:`POOLED_CONNECTIONS` keeps a thread waiting for one: the
+    heartbeat, whose leases are then lost, or the presence thread. Reads settings only."""
+    from .backends import ENGINES
+
+    if not isinstance(getattr(settings, "JOBS", None) or {}, dict) or RULES["BACKENDS"][1](conf.get("BACKENDS")):
+        return []  # reported by check_settings (E008, E010)
+    warnings: list[checks.CheckMessage] = []
+    for name, config in conf.get("BACKENDS").items():
+        engine = config.get("ENGINE", "database")
+        if ENGINES.get(engine, engine) != ENGINES["database"]:
+            continue
+        alias = (config.get("OPTIONS") or {}).get("DATABASE", "default")
+        pool = (settings.DATABASES.get(alias) or {}).get("OPTIONS", {}).get("pool")
+        if not pool:
+            continue
+        options = pool if isinstance(pool, dict) else {}
+        size = options.get("max_size") or options.get("min_size", 4)  # psycopg_pool's defaults
+        if isinstance(size, int) and size >= POOLED_CONNECTIONS:
+            continue
+        warnings.append(
+            checks.Warning(
+                f"backend {name!r}: the connection pool of database {alias!r} holds {size!r} connection(s); a worker "
+                f"process takes {POOLED_CONNECTIONS} at once (its main thread's and its heartbeat's for its life, "
+                "its presence thread's at each beat), so a thread would wait for one, the heartbeat too, and "
+                "running jobs would lose their leases",
+                hint=f"give DATABASES[{alias!r}]['OPTIONS']['pool'] a max_size of at least {POOLED_CONNECTIONS}, more "
+                "if jobs query the database from threads of their own",
+                obj="settings.DATABASES",
+                id="django_jobs.W004",
+            )
+        )
+    return warnings

@@ -201,9 +201,7 @@ class WorkerPool:
         would only fail again: every process is stopped and 1 returned. Any other death (a job's
         ``os._exit()``, a signal, a hard timeout, a crash after start-up) resets the count.
         """
-        # Children must not share the parent's sockets.
-        connections.close_all()
-        backends.reset()
+        _close_connections()  # children must not share the parent's sockets
         for slot in range(self.concurrency + (self.sidecar is not None)):
             self._spawn(slot)
         self._reap_at_start()
@@ -278,8 +276,7 @@ class WorkerPool:
                 "reaping expired leases at start failed: %s; the worker processes reap them later", summary(exc)
             )
         finally:
-            connections.close_all()
-            backends.reset()
+            _close_connections()
 
     def _recover(self, claims: Claims | None) -> None:
         """A worker process died: recover the claims it held now, in this process (whose
@@ -294,8 +291,7 @@ class WorkerPool:
                 extra=_death_fields(claims),
             )
         finally:
-            connections.close_all()
-            backends.reset()
+            _close_connections()
 
     def _spawn(self, slot: int) -> None:
         context = multiprocessing.get_context("fork")
@@ -453,6 +449,18 @@ class Recorder:
             return False
         self.shared.value = text
         return True
+
+
+def _close_connections() -> None:
+    """Close this process's connections before it forks: the database's, the pools that
+    Django's ``OPTIONS["pool"]`` keeps them in on PostgreSQL (a pool closed only hands them
+    back to itself, and a child would use the same sockets), and the backends'."""
+    connections.close_all()
+    for connection in connections.all():
+        close_pool = getattr(connection, "close_pool", None)  # PostgreSQL on Django 5.1 and later
+        if close_pool is not None:
+            close_pool()
+    backends.reset()
 
 
 def _job_id(lease: Lease) -> str:

@@ -282,6 +282,20 @@ def pgbouncer_backend(pgbouncer_up, monkeypatch):
         yield
 
 
+@pytest.fixture
+def pg_pool_backend(postgres_up, monkeypatch):
+    """The ``pg_pool`` backend (the database backend through Django's connection pool) in
+    JOBS["BACKENDS"], here and in the worker subprocesses the test starts (``JOBS_TEST_PG_POOL=1``)."""
+    from django.conf import settings
+    from django.db import connections
+
+    with _backend_in_settings(monkeypatch, "JOBS_TEST_PG_POOL", "pg_pool", settings.PG_POOL_BACKEND):
+        yield
+    pooled = connections["postgres_pool"]
+    pooled.close()
+    pooled.close_pool()  # its connections, which would keep the test database from being dropped
+
+
 def _beanstalk_reachable(host: str, port: int) -> bool:
     import socket
 

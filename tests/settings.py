@@ -109,6 +109,16 @@ DATABASES["pgbouncer"] = {
     "TEST": {"MIRROR": "postgres"},
 }
 
+# The same PostgreSQL database through Django's connection pool (``OPTIONS["pool"]``, psycopg_pool;
+# Django 5.1 and later): each thread's connection is taken from a pool of its process and handed
+# back to it on close (so CONN_MAX_AGE must be 0).
+DATABASES["postgres_pool"] = {
+    **DATABASES["postgres"],
+    "CONN_MAX_AGE": 0,
+    "OPTIONS": {"pool": {"min_size": 1, "max_size": 4}},
+    "TEST": {"MIRROR": "postgres"},
+}
+
 if SUBPROCESS:
     # Worker subprocesses never use MariaDB (only the in-process conformance param does), and
     # their start-up system checks would otherwise connect to its test database.
@@ -190,6 +200,12 @@ if django.VERSION < (6, 0):
 PGBOUNCER_BACKEND = {"ENGINE": "database", "OPTIONS": {"DATABASE": "pgbouncer"}}
 if os.environ.get("JOBS_TEST_PGBOUNCER") == "1":
     JOBS["BACKENDS"]["pgbouncer"] = PGBOUNCER_BACKEND
+# The database backend through Django's connection pool (the ``postgres_pool`` alias), kept out
+# of the shared settings in the same way: added by the pg_pool_backend fixture, and to a worker
+# subprocess's settings by JOBS_TEST_PG_POOL=1.
+PG_POOL_BACKEND = {"ENGINE": "database", "OPTIONS": {"DATABASE": "postgres_pool"}}
+if os.environ.get("JOBS_TEST_PG_POOL") == "1":
+    JOBS["BACKENDS"]["pg_pool"] = PG_POOL_BACKEND
 
 if os.environ.get("JOBS_TEST_IDEMPOTENCY_REDIS"):
     # Fault tests: idempotency keys in a Redis of the test's own, which it can freeze.

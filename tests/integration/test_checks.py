@@ -15,7 +15,7 @@ from django.test import override_settings
 from django_jobs import checks as jobs_checks
 from django_jobs import conf, registry
 from django_jobs.api import job
-from django_jobs.checks import check_servicebus_delivery_count, check_settings
+from django_jobs.checks import check_connection_pools, check_servicebus_delivery_count, check_settings
 from tests.api_support import jobs_settings
 from tests.backend_params import ALL_DATABASES
 
@@ -189,7 +189,12 @@ def test_jobs_work_runs_django_jobs_checks_and_no_others():
 def test_every_django_jobs_check_carries_its_tag():
     registered = checks.registry.registry.get_checks(include_deployment_checks=True)
     tagged = {check.__name__ for check in registered if jobs_checks.TAG in check.tags}
-    assert tagged == {"check_settings", "check_servicebus_delivery_count", "check_backend_persistence"}
+    assert tagged == {
+        "check_settings",
+        "check_servicebus_delivery_count",
+        "check_backend_persistence",
+        "check_connection_pools",
+    }
 
 
 # -- the shape of JOBS and its keys --------------------------------------------------------------------
@@ -534,3 +539,35 @@ def test_an_unreachable_redis_never_fails_the_check():
     with jobs_settings(BACKENDS={"default": {"ENGINE": "database"}, "redis": closed}):
         assert persistence_warnings() == []
         call_command("check", "--deploy", "--tag", "compatibility", stdout=StringIO(), stderr=StringIO())
+
+
+# -- Django's connection pool under a database backend -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pool", "size"),
+    [
+        ({"max_size": 2}, 2),
+        ({"min_size": 2}, 2),  # psycopg_pool: max_size defaults to min_size
+        ({"min_size": 1, "max_size": 1}, 1),
+        (None, None),
+        (True, None),  # psycopg_pool's default: 4
+        ({"min_size": 1, "max_size": 3}, None),
+    ],
+)
+def test_a_pool_too_small_for_a_worker_process_is_warned_of(monkeypatch, pool, size):
+    database = {**settings.DATABASES["default"], "OPTIONS": {} if pool is None else {"pool": pool}}
+    monkeypatch.setitem(settings.DATABASES, "pooled", database)
+    backends = {
+        "pooled": {"ENGINE": "database", "OPTIONS": {"DATABASE": "pooled"}},
+        "broker": {"ENGINE": "redis", "OPTIONS": {"URL": "redis://127.0.0.1:6379/9", "DATABASE": "pooled"}},
+    }
+    with jobs_settings(BACKENDS=backends, DEFAULT_BACKEND="pooled"):
+        warnings = check_connection_pools()
+    if size is None:
+        assert warnings == []
+        return
+    [warning] = warnings
+    assert (warning.id, warning.level, warning.obj) == ("django_jobs.W004", checks.WARNING, "settings.DATABASES")
+    assert f"backend 'pooled': the connection pool of database 'pooled' holds {size} connection(s)" in warning.msg
+    assert "DATABASES['pooled']['OPTIONS']['pool'] a max_size of at least 3" in warning.hint
