@@ -145,7 +145,7 @@ class Heartbeat:
         while True:
             with self._cond:
                 if self._stopping:
-                    return
+                    break
                 action = self._due()
                 if action is None:
                     continue
@@ -153,6 +153,9 @@ class Heartbeat:
                 action()
             except BaseException:
                 logger.exception("heartbeat: unexpected error; carrying on")
+        # This thread's connections end with it: a pooled one goes back to its pool, where it
+        # would otherwise stay taken for the life of the process.
+        self._reset_connections()
 
     def _due(self) -> Callable[[], None] | None:
         """Under the lock: what is due now, or wait until something may be."""

@@ -58,6 +58,7 @@ ALL_DATABASES = (
     ["default", "postgres"]
     + (["mariadb"] if importlib.util.find_spec("MySQLdb") else [])
     + (["pgbouncer"] if os.environ.get("CI") == "true" or _pgbouncer_listens() else [])
+    + ["postgres_pool"]
 )
 
 
@@ -119,6 +120,12 @@ def _postgres_through(alias: str, case_id: str, fixture: str, databases: list[st
 # commits take the paths a caller's transaction would turn off.
 PG_POOLED = _postgres_through("pgbouncer", "database-pgbouncer", "pgbouncer_up", ALL_DATABASES)
 
+# Through Django's connection pool (the ``postgres_pool`` alias; Django 5.1 and later): each
+# thread's connection taken from its process's pool and handed back to it on close.
+PG_DJANGO_POOL = _postgres_through(
+    "postgres_pool", "database-postgres-django-pool", "postgres_up", [*ALL_DATABASES, "postgres_pool"]
+)
+
 BACKEND_PARAMS = [
     pytest.param(
         BackendCase("default", expire=_db_expire, record=_db_record),
@@ -142,6 +149,7 @@ BACKEND_PARAMS = [
         marks=[pytest.mark.django_db(databases=ALL_DATABASES)],
     ),
     PG_POOLED,
+    PG_DJANGO_POOL,
     pytest.param(BackendCase("sync"), id="sync", marks=[DB]),
     pytest.param(BackendCase("redis", fixtures=("redis_up",), expire=_redis_expire), id="redis", marks=[DB]),
     pytest.param(

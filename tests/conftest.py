@@ -88,14 +88,18 @@ def pgbouncer_up() -> None:
 @pytest.fixture(scope="session")
 def django_db_setup(django_db_setup: None) -> Iterator[None]:
     """pytest-django's, and at the end of the session, before the test databases are dropped,
-    PgBouncer's connections to the PostgreSQL one dropped (``KILL``, then ``RESUME``):
-    PostgreSQL refuses to drop a database that a pooler still holds server connections to. Any
-    test may have used the ``pgbouncer`` alias (a test in a transaction opens it)."""
+    PgBouncer's connections to the PostgreSQL one dropped (``KILL``, then ``RESUME``), and
+    Django's pool of the ``postgres_pool`` alias closed: PostgreSQL refuses to drop a database
+    that a pooler still holds server connections to. Any test may have used the ``pgbouncer`` or
+    ``postgres_pool`` alias (a test in a transaction opens each)."""
     from django.conf import settings
     from django.db import connections
 
     yield
     connections["pgbouncer"].close()
+    pooled = connections["postgres_pool"]
+    pooled.close()
+    pooled.close_pool()
     name = settings.DATABASES["postgres"]["NAME"]
     with contextlib.suppress(Exception):  # no PgBouncer: nothing holds the database
         _pgbouncer_console(f'KILL "{name}"')
@@ -287,13 +291,9 @@ def pg_pool_backend(postgres_up, monkeypatch):
     """The ``pg_pool`` backend (the database backend through Django's connection pool) in
     JOBS["BACKENDS"], here and in the worker subprocesses the test starts (``JOBS_TEST_PG_POOL=1``)."""
     from django.conf import settings
-    from django.db import connections
 
     with _backend_in_settings(monkeypatch, "JOBS_TEST_PG_POOL", "pg_pool", settings.PG_POOL_BACKEND):
         yield
-    pooled = connections["postgres_pool"]
-    pooled.close()
-    pooled.close_pool()  # its connections, which would keep the test database from being dropped
 
 
 def _beanstalk_reachable(host: str, port: int) -> bool:

@@ -290,7 +290,7 @@ class DiesHoldingAJob:
 
 def test_the_supervisor_logs_a_dead_worker_process_with_the_job_it_lost(captured, monkeypatch):
     # The forked process touches no database, and its supervisor needs not close this test's.
-    monkeypatch.setattr(pool, "connections", SimpleNamespace(close_all=lambda: None))
+    monkeypatch.setattr(pool, "connections", SimpleNamespace(close_all=lambda: None, all=list))
     monkeypatch.setattr(pool, "Presence", lambda worker: nullcontext())
     monkeypatch.setattr(pool, "time", SimpleNamespace(monotonic=time.monotonic, sleep=lambda seconds: None))
     env = scripted.builder(action="exit").build()
