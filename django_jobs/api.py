@@ -8,7 +8,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -457,8 +457,14 @@ def _check_timeout(value: float | None) -> float | None:
 
 
 def _check_schedule(when: datetime, now: datetime) -> datetime:
-    """``scheduled_at`` may lie in the past (the job is due at once), but not more than
-    ``MAX_DELAY_SECONDS`` ahead."""
+    """``scheduled_at`` (aware) as the job keeps it, beside ``now`` (``timezone.now()``): in
+    UTC, or naive in the default time zone when ``USE_TZ`` is off (``now`` is naive then, as
+    Django keeps every time). It may lie in the past (the job is due at once), but not more
+    than ``MAX_DELAY_SECONDS`` ahead."""
+    if timezone.is_naive(now):
+        when = timezone.make_naive(when, timezone.get_default_timezone())
+    else:  # any offset the database can read: one of seconds and microseconds cannot be written
+        when = when.astimezone(UTC)
     if when - now > timedelta(seconds=MAX_DELAY_SECONDS):
         raise ValueError(
             f"scheduled_at {when.isoformat()} is too far ahead: at most {MAX_DELAY_SECONDS} seconds (365 days)"

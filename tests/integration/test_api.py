@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
+from datetime import timezone as datetime_timezone
 
 import pytest
 from django.conf import settings
@@ -505,3 +506,30 @@ def test_override_settings_keeps_the_test_transaction():
     with override_settings(JOBS={**settings.JOBS, "DEFAULT_MAX_RETRIES": 2}):
         second = scripted.dispatch(action="ok")
     assert Job.objects.filter(pk__in=[first, second]).count() == 2
+
+
+def test_scheduled_at_keeps_the_instant_whatever_its_offset(backend):
+    """An offset of seconds and microseconds is a Python ``timezone`` PostgreSQL cannot read:
+    the job keeps the same instant, in UTC."""
+    odd = datetime_timezone(timedelta(hours=-3, seconds=7, microseconds=500))
+    when = (timezone.now() + timedelta(hours=2)).astimezone(odd)
+    single = Jobs.define("command", "clearsessions").scheduled_at(when).dispatch(backend=backend)
+    [bulked] = Jobs.bulk([Jobs.define("command", "clearsessions").scheduled_at(when)], backend=backend)
+    assert row(backend, single).available_at == row(backend, bulked).available_at == when
+
+
+@pytest.mark.parametrize("zone", ["UTC", "Europe/Amsterdam"])
+def test_scheduled_at_with_use_tz_off_keeps_local_times(backend, zone):
+    """With ``USE_TZ = False`` Django keeps naive times in ``TIME_ZONE``: an aware ``scheduled_at``
+    is kept as one of them, later or earlier than now as it was given."""
+    with override_settings(USE_TZ=False, TIME_ZONE=zone):
+        later = datetime.now(UTC) + timedelta(hours=3)
+        due_id = Jobs.define("command", "clearsessions").scheduled_at(datetime.now(UTC) - timedelta(minutes=1))
+        job_id = Jobs.define("command", "clearsessions").scheduled_at(later).dispatch(backend=backend)
+        [bulked] = Jobs.bulk([Jobs.define("command", "clearsessions").scheduled_at(later)], backend=backend)
+        due = due_id.dispatch(backend=backend)
+        local = timezone.make_naive(later, timezone.get_default_timezone())
+        assert row(backend, job_id).available_at == row(backend, bulked).available_at == local
+        result = QueueWorker(backend).process_once()
+        assert (result.status, result.job_id) == ("acked", due)  # the one due runs; the later two wait
+        assert QueueWorker(backend).process_once().status == "empty"

@@ -264,6 +264,19 @@ def test_job_options_priority_and_run_after_reach_the_job():
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("naive", [True, False], ids=["naive", "aware"])
+def test_run_after_with_use_tz_off_is_kept_in_the_time_zone(naive):
+    """With ``USE_TZ = False`` a naive ``run_after`` is in the current time zone, and the job keeps
+    its due time naive in that zone, as Django keeps every time then."""
+    with override_settings(USE_TZ=False, TIME_ZONE="Europe/Amsterdam"):
+        local = (timezone.now() + timedelta(hours=1)).replace(microsecond=0)  # naive, Amsterdam time
+        run_after = local if naive else timezone.make_aware(local, timezone.get_default_timezone())
+        result = t.flaky.using(run_after=run_after).enqueue(fail_times=0)
+        assert Job.objects.get(pk=result.id).available_at == local
+        assert worker("default").process_once().status == "empty"  # not due yet
+
+
+@pytest.mark.django_db
 def test_higher_priority_runs_first():
     low = t.add.using(priority=-5).enqueue(1)
     high = t.add.using(priority=100).enqueue(2)
