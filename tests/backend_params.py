@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 from django.conf import settings
+from django.db import connections
 from django.test import override_settings
 from django.utils import timezone
 
@@ -208,6 +209,14 @@ def backend_of(case: BackendCase) -> Iterator[QueueBackend]:
     backends_config = {**settings.JOBS["BACKENDS"], case.name: case.config}
     with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends_config}):
         yield get_backend(case.name)
+
+
+def close_pool(alias: str) -> None:
+    """Close Django's connection pool of database ``alias``, if it has one: the pool keeps
+    threads of its own, which a later test's fork would copy in the middle of their work."""
+    if settings.DATABASES[alias].get("OPTIONS", {}).get("pool"):
+        connections[alias].close()
+        connections[alias].close_pool()
 
 
 def holds_messages(backend: QueueBackend) -> bool:

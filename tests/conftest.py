@@ -286,6 +286,17 @@ def pgbouncer_backend(pgbouncer_up, monkeypatch):
         yield
 
 
+@pytest.fixture(autouse=True)
+def _pool_threads_closed() -> Iterator[None]:
+    """Django's pool of the ``postgres_pool`` alias, which any test that reaches that alias opens
+    (the system checks' database checks too), keeps threads of its own: closed after each test,
+    so that a later test's fork never copies them."""
+    yield
+    from tests.backend_params import close_pool
+
+    close_pool("postgres_pool")
+
+
 @pytest.fixture
 def pg_pool_backend(postgres_up, monkeypatch):
     """The ``pg_pool`` backend (the database backend through Django's connection pool) in
