@@ -366,6 +366,22 @@ def _import_job_modules(bad: set[str], errors: list[checks.CheckMessage]) -> set
     return failed
 
 
+def _backends_of(engine: str) -> list[tuple[str, dict[str, Any]]]:
+    """The name and configuration of each backend of ``engine`` (by its name or its class's
+    dotted path); none where ``JOBS`` or its ``BACKENDS`` is malformed (check_settings reports
+    that: E008, E010)."""
+    from .backends import ENGINES
+
+    if not isinstance(getattr(settings, "JOBS", None) or {}, dict) or RULES["BACKENDS"][1](conf.get("BACKENDS")):
+        return []
+    found = []
+    for name, config in conf.get("BACKENDS").items():
+        named = config.get("ENGINE", "database")
+        if ENGINES.get(named, named) == ENGINES[engine]:
+            found.append((name, config))
+    return found
+
+
 @checks.register(checks.Tags.compatibility, TAG)
 def check_servicebus_delivery_count(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """Service Bus dead-letters a message on its own once its lock has expired MaxDeliveryCount
@@ -374,19 +390,14 @@ def check_servicebus_delivery_count(app_configs: Any = None, **kwargs: Any) -> l
     the queues' MaxDeliveryCount must exceed ``DEFAULT_MAX_RETRIES + 1``. Reads settings only: the
     entity's real MaxDeliveryCount is for ``OPTIONS["MAX_DELIVERY_COUNT"]`` to say (Azure's
     default is 10)."""
-    from .backends import ENGINES
-
-    if not isinstance(getattr(settings, "JOBS", None) or {}, dict):
-        return []  # reported by check_settings (E008)
+    backends = _backends_of("servicebus")
+    if not backends:
+        return []
     retries = conf.get("DEFAULT_MAX_RETRIES")
-    backends = conf.get("BACKENDS")
-    if RULES["DEFAULT_MAX_RETRIES"][1](retries) or RULES["BACKENDS"][1](backends):
-        return []  # reported by check_settings (E004, E010)
+    if RULES["DEFAULT_MAX_RETRIES"][1](retries):
+        return []  # reported by check_settings (E004)
     warnings: list[checks.CheckMessage] = []
-    for name, config in backends.items():
-        engine = config.get("ENGINE", "database")
-        if ENGINES.get(engine, engine) != ENGINES["servicebus"]:
-            continue
+    for name, config in backends:
         count = (config.get("OPTIONS") or {}).get("MAX_DELIVERY_COUNT", 10)
         if isinstance(count, int) and not isinstance(count, bool) and count > retries + 1:
             continue
@@ -445,15 +456,8 @@ def check_connection_pools(app_configs: Any = None, **kwargs: Any) -> list[check
     PostgreSQL): each thread of a worker process that queries takes its own connection from the
     pool. One pool smaller than :data:`POOLED_CONNECTIONS` keeps a thread waiting for one: the
     heartbeat, whose leases are then lost, or the presence thread. Reads settings only."""
-    from .backends import ENGINES
-
-    if not isinstance(getattr(settings, "JOBS", None) or {}, dict) or RULES["BACKENDS"][1](conf.get("BACKENDS")):
-        return []  # reported by check_settings (E008, E010)
     warnings: list[checks.CheckMessage] = []
-    for name, config in conf.get("BACKENDS").items():
-        engine = config.get("ENGINE", "database")
-        if ENGINES.get(engine, engine) != ENGINES["database"]:
-            continue
+    for name, config in _backends_of("database"):
         alias = (config.get("OPTIONS") or {}).get("DATABASE", "default")
         pool = (settings.DATABASES.get(alias) or {}).get("OPTIONS", {}).get("pool")
         if not pool:

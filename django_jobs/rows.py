@@ -136,23 +136,20 @@ def _json_insert(
     value as JSON). The driver quotes one text, where it quoted every element of an array per
     column in Python; a JSON ``null`` is ``NULL``."""
     selected: list[str] = []
-    columns: list[tuple[Any, type | None, bool, bool]] = []  # None, of this type, or JSON: as it is
+    columns: list[tuple[Any, type | None, bool]] = []  # a value goes as it is when None, of this type, or JSON
     for index, (f, kind) in enumerate(_typed(fields)):
         as_json = isinstance(f, models.JSONField)
         # The type without its length (varchar, not varchar(64)), as Django's bulk_create.
         selected.append(
             f"NULLIF(r->{index}, 'null')" if as_json else f"(r->>{index})::{f.db_type(connection).split('(')[0]}"
         )
-        columns.append((f, kind, as_json, isinstance(f, models.DateTimeField)))
+        columns.append((f, kind, as_json))
     rows = [
         [
             value
             if (value := one[f.attname]) is None or as_json or type(value) is kind
-            # An aware datetime goes to PostgreSQL as it is, whatever USE_TZ: its ISO 8601 text.
-            else value.isoformat()
-            if moment and type(value) is datetime and value.utcoffset() is not None
             else _json_value(f, value, connection)
-            for f, kind, as_json, moment in columns
+            for f, kind, as_json in columns
         ]
         for one in batch
     ]
@@ -175,6 +172,8 @@ def _json_texts(rows: list[list[Any]]) -> Iterator[str]:
 
 def _json_value(field: Any, value: Any, connection: Any) -> Any:
     """``value`` of ``field`` prepared as the ORM would, as :func:`_json_insert` writes it."""
+    if type(value) is datetime and value.utcoffset() is not None and isinstance(field, models.DateTimeField):
+        return value.isoformat()  # PostgreSQL takes an aware datetime as it is, whatever USE_TZ
     value = field.get_db_prep_save(value, connection)
     return value.isoformat() if isinstance(value, datetime) else value
 

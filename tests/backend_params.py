@@ -123,9 +123,7 @@ PG_POOLED = _postgres_through("pgbouncer", "database-pgbouncer", "pgbouncer_up",
 
 # Through Django's connection pool (the ``postgres_pool`` alias; Django 5.1 and later): each
 # thread's connection taken from its process's pool and handed back to it on close.
-PG_DJANGO_POOL = _postgres_through(
-    "postgres_pool", "database-postgres-django-pool", "postgres_up", [*ALL_DATABASES, "postgres_pool"]
-)
+PG_DJANGO_POOL = _postgres_through("postgres_pool", "database-postgres-django-pool", "postgres_up", ALL_DATABASES)
 
 BACKEND_PARAMS = [
     pytest.param(

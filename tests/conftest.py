@@ -88,18 +88,15 @@ def pgbouncer_up() -> None:
 @pytest.fixture(scope="session")
 def django_db_setup(django_db_setup: None) -> Iterator[None]:
     """pytest-django's, and at the end of the session, before the test databases are dropped,
-    PgBouncer's connections to the PostgreSQL one dropped (``KILL``, then ``RESUME``), and
-    Django's pool of the ``postgres_pool`` alias closed: PostgreSQL refuses to drop a database
-    that a pooler still holds server connections to. Any test may have used the ``pgbouncer`` or
-    ``postgres_pool`` alias (a test in a transaction opens each)."""
+    PgBouncer's connections to the PostgreSQL one dropped (``KILL``, then ``RESUME``):
+    PostgreSQL refuses to drop a database that a pooler still holds server connections to. Any
+    test may have used the ``pgbouncer`` alias (a test in a transaction opens it). (Django's pool
+    of ``postgres_pool`` is closed after each test: ``_pool_threads_closed``.)"""
     from django.conf import settings
     from django.db import connections
 
     yield
     connections["pgbouncer"].close()
-    pooled = connections["postgres_pool"]
-    pooled.close()
-    pooled.close_pool()
     name = settings.DATABASES["postgres"]["NAME"]
     with contextlib.suppress(Exception):  # no PgBouncer: nothing holds the database
         _pgbouncer_console(f'KILL "{name}"')

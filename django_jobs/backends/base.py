@@ -164,15 +164,15 @@ class QueueBackend(ABC):
     # request): a dispatch raises them as ``BackendUnavailable``.
     unavailable_errors: tuple[type[Exception], ...] = (OSError,)
 
+    def __init__(self, name: str, options: dict[str, Any]) -> None:
+        self.name = name
+        self.options = options
+
     def refusal(self, exc: Exception) -> JobsError | None:
         """One of :attr:`unavailable_errors` by which the server refused what was sent (a value
         past one of its limits), not a failure to reach it: the error a dispatch raises instead,
         or ``None``."""
         return None
-
-    def __init__(self, name: str, options: dict[str, Any]) -> None:
-        self.name = name
-        self.options = options
 
     @classmethod
     def options_problem(cls, options: dict[str, Any]) -> str | None:

@@ -153,16 +153,6 @@ class DatabaseBackend(LimitedBackend):
 
     unavailable_errors = (OperationalError, InterfaceError)
 
-    def refusal(self, exc: Exception) -> JobsError | None:
-        """PostgreSQL's errors of class 54, *program limit exceeded* (a ``jsonb`` value past
-        256 MB, one nested past ``max_stack_depth``), are ``OperationalError`` too: the job is
-        refused, as a payload too large is."""
-        cause = exc.__cause__
-        state = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)  # psycopg 3, psycopg2
-        if isinstance(state, str) and state.startswith("54"):
-            return InvalidPayload(f"{self.where()} refused the job: {summary(exc)}")
-        return None
-
     supports_priority = True
     supports_dependencies = True
     transactional = True
@@ -199,6 +189,16 @@ class DatabaseBackend(LimitedBackend):
         if problem:
             raise ImproperlyConfigured(f"database backend {name!r} {problem}")
         self.listener = Listener(name, options.get("LISTEN_DATABASE", self.alias), self.alias)
+
+    def refusal(self, exc: Exception) -> JobsError | None:
+        """PostgreSQL's errors of class 54, *program limit exceeded* (a ``jsonb`` value past
+        256 MB, one nested past ``max_stack_depth``), are ``OperationalError`` too: the job is
+        refused, as a payload too large is."""
+        cause = exc.__cause__
+        state = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)  # psycopg 3, psycopg2
+        if isinstance(state, str) and state.startswith("54"):
+            return InvalidPayload(f"{self.where()} refused the job: {summary(exc)}")
+        return None
 
     @functools.cached_property
     def limits(self) -> DatabaseLimits:

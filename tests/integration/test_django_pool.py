@@ -25,10 +25,7 @@ def test_a_worker_run_hands_its_heartbeats_connection_back_to_the_pool():
     """The heartbeat thread ends with the run: its connection goes back to the pool. Kept, every
     run took one of the pool's four for good, and the heartbeat of the fifth waited for one
     while its job's lease expired."""
-    pooled = connections["postgres_pool"]
-    pooled.close()
-    pooled.close_pool()  # a pool of its own: threads of earlier tests may have kept connections
-    pool = pooled.pool
+    pool = connections["postgres_pool"].pool  # a new one: closed after each test
     with override_settings(JOBS={**settings.JOBS, "LEASE_TIMEOUT": 0.3}):  # a beat every 0.1 s
         for run in range(6):
             job_id = scripted.using(backend="pg_pool").dispatch(action="sleep", seconds=0.35, db="postgres")
