@@ -88,7 +88,7 @@ class Batches:
         self.requeued = requeued  # failed runs whose requeues were written: count them
         self.refused = refused  # a failed run's requeue refused, the job asked to abort: cancel it (never raises)
         self.tickets: Tickets | None = None  # the run's, while it runs
-        self.supervisor: Supervisor | None = None  # a pool's, while it runs: told of waiting requeues
+        self.supervisor: Supervisor | None = None  # a pool's, while it runs: told of waiting acks and requeues
         self.history = history  # attempt rows written before the batch's next write
         self._ahead: deque[Lease] = deque()
         self._acks: list[Lease] = []
@@ -157,9 +157,9 @@ class Batches:
                 lost, done, claimed = self.backend.settle_many_and_fetch(
                     acks, [requeue for requeue, _ in requeues], queue, limit
                 )
-                written, acks, requeues = requeues, [], []
+                acked, written, acks, requeues = acks, requeues, [], []
                 self._count_lost(lost)
-                self._written(written, done)
+                self._written(acked, written, done)
                 if claimed:
                     break
         except BaseException:
@@ -187,15 +187,21 @@ class Batches:
         self._job_seconds += SMOOTHING * (seconds - self._job_seconds)
 
     def ack_later(self, lease: Lease) -> None:
-        """The pipeline's ack: written with the next claim or by the heartbeat thread; at once
-        for a lease past half its time (its worker was frozen, perhaps past it), so that a
-        lost one is said to be lost, not completed."""
+        """The pipeline's ack: written with the next claim or by the heartbeat thread. The
+        supervisor is told of it meanwhile, so that it acks the job if this process dies before
+        that write. At once for a lease past half its time (its worker was frozen, perhaps past
+        it), so that a lost one is said to be lost, not completed, and for one the supervisor
+        could not be told of."""
         if lease.result is not NO_RESULT:  # its value is written with its own ack
             return self.backend.ack(lease)
         if lease.seconds_left() < self.lease_seconds / 2:
             return self.backend.ack(lease)
-        with self._lock:
-            self._acks.append(lease)
+        with self._lock:  # told before a write can take the ack
+            later = self.supervisor is None or self.supervisor.succeeded(lease)
+            if later:
+                self._acks.append(lease)
+        if not later:
+            self.backend.ack(lease)
 
     def requeue_later(self, lease: Lease, verdict: Verdict, row: dict[str, Any]) -> bool:
         """The pipeline's requeue of a failed run, and its attempt ``row``: written with the
@@ -256,10 +262,10 @@ class Batches:
                 len(acks),
                 len(requeues),
             )
-            self._told_written(requeues)
+            self._told_written(acks, requeues)
             return
         self._count_lost(lost)
-        self._written(requeues, done)
+        self._written(acks, requeues, done)
 
     def hand_back(self) -> None:
         """Jobs held ahead go straight back, not counted as runs, with their tickets (one asked
@@ -336,8 +342,9 @@ class Batches:
                 self._acks[:0] = acks
                 self._requeues[:0] = requeues
 
-    def _written(self, requeues: list[tuple[Requeue, Verdict]], done: list[Requeued]) -> None:
-        """What became of requeues a batch wrote: counted and recorded, lost, or refused."""
+    def _written(self, acks: list[Lease], requeues: list[tuple[Requeue, Verdict]], done: list[Requeued]) -> None:
+        """A batch wrote ``acks`` and ``requeues``: what became of each requeue (counted and
+        recorded, lost, or refused)."""
         requeued = []
         for (requeue, verdict), outcome in zip(requeues, done, strict=True):
             lease = requeue.lease
@@ -349,11 +356,11 @@ class Batches:
                 self.refused(lease, verdict, outcome)
         if requeued:
             self.requeued(requeued)
-        self._told_written(requeues)
+        self._told_written(acks, requeues)
 
-    def _told_written(self, requeues: list[tuple[Requeue, Verdict]]) -> None:
-        if requeues and self.supervisor is not None:
-            self.supervisor.written(requeue.lease for requeue, _ in requeues)
+    def _told_written(self, acks: list[Lease], requeues: list[tuple[Requeue, Verdict]]) -> None:
+        if (acks or requeues) and self.supervisor is not None:
+            self.supervisor.written([*acks, *(requeue.lease for requeue, _ in requeues)])
 
     def _count_lost(self, lost: list[Lease], what: str = "ack") -> None:
         for lease in lost:

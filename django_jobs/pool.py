@@ -52,6 +52,11 @@ STARTUP_DEATHS = 5
 CLAIMS_BYTES = 4096
 HAND_ROOM = 256
 SEPARATOR = "\x1f"
+ENTRY_END = f"{SEPARATOR}\0".encode()  # after each token in the shared acks: the list ends there
+# Its successes whose acks wait for the batch, shared too: "<lease token><US>" each, appended one
+# memory write per success, cleared once the batch has written them. Room for about 240 lease
+# tokens; past that, the next successes are acked at once.
+ACKS_BYTES = 8192
 # After a second SIGINT, a worker process still running this long (its job stuck where no
 # signal reaches it, or its hand-back held up by the backend) is killed; its job is recovered.
 INTERRUPT_GRACE = 5.0
@@ -109,15 +114,16 @@ class WorkerPool:
         once: bool = False,
         sleep: float | None = None,
         on_result: Callable[[WorkerResult], None] | None = None,
-        recover: Callable[[str, str, Sequence[str]], object] | None = None,
+        recover: Callable[[str, str, Sequence[str], Sequence[str]], object] | None = None,
         reap: Callable[[], object] | None = None,
         on_start: Callable[[], None] | None = None,
         on_stop: Callable[[], None] | None = None,
         sidecar: Sidecar | None = None,
     ) -> None:
-        """``recover(queue, owner_token, counted)`` is called when a worker process dies holding
-        claims (:func:`~django_jobs.reaper.recover_claims`), ``counted`` the lease tokens of its
-        job in hand and of its failed runs whose requeues were not written; ``reap()``, the reaping of
+        """``recover(queue, owner_token, counted, succeeded)`` is called when a worker process dies
+        holding claims (:func:`~django_jobs.reaper.recover_claims`), ``counted`` the lease tokens of
+        its job in hand and of its failed runs whose requeues were not written, ``succeeded`` those
+        of its successes whose acks were not written; ``reap()``, the reaping of
         the workers' queues at start, is called here once the first processes are forked, so
         none of them waits for it before its first claim (each reaps every ``LEASE_TIMEOUT``
         after that); ``on_start`` and ``on_stop`` run in each worker process before and after
@@ -132,7 +138,7 @@ class WorkerPool:
         self.on_start, self.on_stop = on_start, on_stop  # in each worker process, around its run
         self.sidecar = sidecar
         # pid -> slot, state, start, claims
-        self.children: dict[int, tuple[int, Synchronized[int], float, ctypes.Array[ctypes.c_char]]] = {}
+        self.children: dict[int, tuple[int, Synchronized[int], float, Shared]] = {}
         self.stopping = False
         self._worker: QueueWorker | None = None
         # Set by the supervisor on a second SIGINT, read by each worker process's handler: the
@@ -284,7 +290,7 @@ class WorkerPool:
         if claims is None or self.recover is None:
             return
         try:
-            self.recover(claims.queue, claims.owner, claims.counted)
+            self.recover(claims.queue, claims.owner, claims.counted, claims.succeeded)
         except Exception:
             logger.exception(
                 "could not recover the jobs of a dead worker process; their leases expire instead",
@@ -296,7 +302,7 @@ class WorkerPool:
     def _spawn(self, slot: int) -> None:
         context = multiprocessing.get_context("fork")
         state = context.Value("b", STARTING)
-        claims = context.Array("c", CLAIMS_BYTES, lock=False)
+        claims = Shared(context.Array("c", CLAIMS_BYTES, lock=False), context.Array("c", ACKS_BYTES, lock=False))
         parent = os.getpid()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         pid = os.fork()
@@ -321,9 +327,7 @@ class WorkerPool:
             sys.stderr.flush()
             os._exit(code)
 
-    def _run_worker(
-        self, claims: ctypes.Array[ctypes.c_char], state: Synchronized[int], mask: set[int | signal.Signals]
-    ) -> int:
+    def _run_worker(self, claims: Shared, state: Synchronized[int], mask: set[int | signal.Signals]) -> int:
         """A worker process's life, from its start (stop signals still blocked) to its stop;
         its exit status: 0, or ``EXIT_UNREACHABLE`` when a bounded run never reached the backend."""
         self._worker = worker = self.make_worker()
@@ -363,6 +367,14 @@ def announce_stop(signum: int) -> None:
         logger.info("%s: stopping once the jobs in hand are finished", signal.Signals(signum).name)
 
 
+class Shared(NamedTuple):
+    """A worker process's memory shared with its supervisor: its claims (``CLAIMS_BYTES``) and
+    its successes not acked yet (``ACKS_BYTES``)."""
+
+    claims: ctypes.Array[ctypes.c_char]
+    acks: ctypes.Array[ctypes.c_char]
+
+
 class Claims(NamedTuple):
     """What a worker process held, as its supervisor reads it from shared memory."""
 
@@ -371,6 +383,7 @@ class Claims(NamedTuple):
     running: str | None  # the lease token of the job in hand
     job_id: str | None  # and its job's id
     failed: tuple[tuple[str, str], ...] = ()  # (lease token, job id or "") of each failed run not written
+    succeeded: tuple[str, ...] = ()  # the lease tokens of the successes not acked yet
 
     @property
     def counted(self) -> list[str]:
@@ -378,16 +391,18 @@ class Claims(NamedTuple):
         return [token for token in (self.running, *(token for token, _ in self.failed)) if token]
 
     @staticmethod
-    def read(shared: ctypes.Array[ctypes.c_char]) -> Claims | None:
+    def read(shared: Shared) -> Claims | None:
         """The claims written by :class:`Recorder`, or ``None`` when it held none."""
-        text = shared.value.decode(errors="replace")
+        text = shared.claims.value.decode(errors="replace")
         if not text:
             return None
         length, _, text = text.partition(":")
         queue, text = text[: int(length)], text[int(length) + 1 :]
         owner, running, job_id, *failed = text.split(SEPARATOR)
         pairs = tuple(zip(failed[::2], failed[1::2], strict=False))
-        return Claims(queue, owner, running or None, job_id or None, pairs)
+        # A token cut short by the death (a write under way) fences nothing: it is left alone.
+        succeeded = tuple(token for token in shared.acks.value.decode(errors="replace").split(SEPARATOR) if token)
+        return Claims(queue, owner, running or None, job_id or None, pairs, succeeded)
 
 
 def _death_fields(claims: Claims | None) -> dict[str, Any]:
@@ -401,15 +416,19 @@ def _death_fields(claims: Claims | None) -> dict[str, Any]:
 
 class Recorder:
     """A worker process's :class:`~django_jobs.worker.Supervisor`: keeps its latest claim, the
-    job it runs and its failed runs not written yet where the supervisor can read them after the
-    process died (two shared-memory writes per job, two more per failed run whose requeue waits
-    for the batch). The main thread and the heartbeat's both write: under a lock."""
+    job it runs, its failed runs and its successes not written yet where the supervisor can read
+    them after the process died (two shared-memory writes per job, one more per success and two
+    more per failed run that wait for the batch). The main thread and the heartbeat's both
+    write: under a lock."""
 
-    def __init__(self, shared: ctypes.Array[ctypes.c_char]) -> None:
-        self.shared = shared
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared.claims
+        self.acks = memoryview(shared.acks).cast("B")
         self._claim = ("", "")  # queue, owner token of the latest lease
         self._running = ("", "")  # lease token, job id of the job in hand
         self._failed: dict[str, str] = {}  # lease token -> job id, of the failed runs not written
+        self._acked: dict[str, None] = {}  # the lease tokens of the successes not written, in order
+        self._acks_end = 0  # where the next one goes in ``acks``
         self._lock = threading.Lock()
 
     def in_hand(self, lease: Lease, running: bool) -> None:
@@ -418,6 +437,21 @@ class Recorder:
             self._running = (lease.token, _job_id(lease)) if running else ("", "")
             if not self._keep(self._text()):
                 self.shared.value = b""  # too long to keep: the leases expire
+
+    def succeeded(self, lease: Lease) -> bool:
+        with self._lock:
+            if (lease.queue, lease.owner_token) != self._claim:  # another claim's: recovered apart
+                return False
+            entry = lease.token.encode() + ENTRY_END
+            end = self._acks_end + len(entry) - 1
+            if end >= ACKS_BYTES:
+                return False
+            # (A death during the write can leave a token cut short, or the tokens of an earlier,
+            # longer list after it: acks written already. Their fences fail: nothing is acked.)
+            self.acks[self._acks_end : end + 1] = entry
+            self._acks_end = end
+            self._acked[lease.token] = None
+            return True
 
     def unwritten(self, lease: Lease) -> bool:
         with self._lock:
@@ -432,11 +466,16 @@ class Recorder:
 
     def written(self, leases: Iterable[Lease]) -> None:
         with self._lock:
-            before = len(self._failed)
+            failed, acked = len(self._failed), len(self._acked)
             for lease in leases:
                 self._failed.pop(lease.token, None)
-            if len(self._failed) != before:
+                self._acked.pop(lease.token, None)
+            if len(self._failed) != failed:
                 self._keep(self._text())
+            if len(self._acked) != acked:
+                entries = "".join(f"{token}{SEPARATOR}" for token in self._acked).encode()
+                self._acks_end = len(entries)
+                self.acks[: self._acks_end + 1] = entries + b"\0"
 
     def _text(self) -> bytes:
         failed = [part for pair in self._failed.items() for part in pair]

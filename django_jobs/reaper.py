@@ -6,6 +6,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from django.utils import timezone
+
 from . import conf, history, signing
 from .backends import get_backend
 from .backends.base import Lease, QueueBackend
@@ -81,16 +83,47 @@ class Reaper:
                 time.sleep(max(min(0.1, end - time.monotonic()), 0))
 
 
-def recover_claims(backend: QueueBackend | str | None, queue: str, owner_token: str, counted: Sequence[str]) -> int:
+def recover_claims(
+    backend: QueueBackend | str | None,
+    queue: str,
+    owner_token: str,
+    counted: Sequence[str],
+    succeeded: Sequence[str] = (),
+) -> int:
     """A worker process died holding the claims of ``owner_token`` on ``queue`` (its
-    supervisor saw it die): they are recovered now, not one lease timeout later. Each of
-    ``counted`` (the job it had in hand, and its failed runs whose requeues were not written
-    yet) counts a lost run, so a job that kills its worker, or fails just before its worker
-    dies, ends failed after ``max_retries + 1`` runs; the jobs it had claimed ahead and not run
-    go back uncounted. Returns how many leases were recovered."""
+    supervisor saw it die): they are recovered now, not one lease timeout later. The jobs of
+    ``succeeded`` (its successes whose acks were not written yet) are acked first, fenced as the
+    worker would have, so they do not run again. Each of ``counted`` (the job it had in hand,
+    and its failed runs whose requeues were not written yet) counts a lost run, so a job that
+    kills its worker, or fails just before its worker dies, ends failed after
+    ``max_retries + 1`` runs; the jobs it had claimed ahead and not run go back uncounted.
+    Returns how many leases were recovered."""
     target = backend if isinstance(backend, QueueBackend) else get_backend(backend)
+    if succeeded:
+        _ack_successes(target, queue, owner_token, succeeded)
     target.lose_claims(queue, owner_token, counted)
     return Reaper(target, [queue]).reap_once()
+
+
+def _ack_successes(backend: QueueBackend, queue: str, owner_token: str, tokens: Sequence[str]) -> None:
+    """The acks a dead worker process had not written; an error leaves those jobs to the
+    reaper (they run again)."""
+    now = timezone.now()
+    leases = [Lease(token=token, owner_token=owner_token, expires_at=now, queue=queue) for token in tokens]
+    try:
+        lost = backend.ack_many(leases)
+    except Exception:
+        logger.exception(
+            "could not ack the %d successful run(s) a dead worker process had not acked; they will run again",
+            len(leases),
+            extra=queues_fields([queue]),
+        )
+        return
+    logger.info(
+        "acked %d successful run(s) a dead worker process had not acked",
+        len(leases) - len(lost),
+        extra=queues_fields([queue]),
+    )
 
 
 def lost_run(

@@ -73,8 +73,13 @@ class Supervisor(Protocol):
         a lost run if the process dies first. ``False`` when it cannot be kept (its requeue is
         then written at once)."""
 
+    def succeeded(self, lease: Lease) -> bool:
+        """A success of ``lease`` whose ack waits for the batch's next write: acked by the
+        supervisor if the process dies first. ``False`` when it cannot be kept (its ack is then
+        written at once)."""
+
     def written(self, leases: Iterable[Lease]) -> None:
-        """The requeues of ``leases`` were written (or given up): no longer counted here."""
+        """The acks or requeues of ``leases`` were written (or given up): no longer kept here."""
 
 
 class RunLimits:

@@ -34,6 +34,7 @@ from django_jobs.exceptions import AbortNotSupported, LeaseLost
 from django_jobs.history import attempts_of
 from django_jobs.metrics import get_collector
 from django_jobs.models import Job, JobAttempt
+from django_jobs.reaper import recover_claims
 from django_jobs.signals import job_reaped, job_started, job_succeeded
 from django_jobs.worker import QueueWorker
 from tests.backend_params import (
@@ -1026,6 +1027,29 @@ def test_lost_claims_count_the_job_in_hand_and_the_failed_runs_not_written(queue
     }
     assert [a.outcome for a in history_of(queue_backend, envs[0].id)] == ["lost"]
     assert history_of(queue_backend, envs[1].id) == []
+
+
+def test_recovered_claims_ack_the_successes_whose_acks_waited(queue_backend, backend_case):
+    """A worker process died with successes whose acks waited for its batch's write: its
+    supervisor acks them, fenced by the dead claim's owner token, so they never run again; a
+    token the dead process no longer held (another worker's claim now) is left alone."""
+    require_prefetch(queue_backend)
+    envs = [enqueue(queue_backend, backend_case, max_retries=1) for _ in range(3)]
+    other = enqueue(queue_backend, backend_case)
+    batch = queue_backend.fetch_many("default", 3)
+    [elsewhere] = queue_backend.fetch_many("default", 3)
+
+    recover_claims(queue_backend, "default", batch[0].owner_token, [batch[1].token], [batch[0].token, elsewhere.token])
+
+    redelivered = {lease.envelope.id: lease for lease in queue_backend.fetch_many("default", 5)}
+    assert {env.id: redelivered[env.id].envelope.attempts for env in envs[1:]} == {envs[1].id: 1, envs[2].id: 0}
+    assert envs[0].id not in redelivered  # acked: it never runs again
+    assert history_of(queue_backend, envs[0].id) == []  # a success, not a lost run
+    if backend_case.record:
+        row = record(backend_case, queue_backend, envs[0].id)
+        assert (row.status, row.attempts) == ("completed", 1)
+    queue_backend.ack(elsewhere)  # still held by its own claim
+    assert elsewhere.envelope.id == other.id
 
 
 def test_release_hands_a_claimed_job_back_uncounted(queue_backend, backend_case):

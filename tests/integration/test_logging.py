@@ -297,14 +297,14 @@ def test_the_supervisor_logs_a_dead_worker_process_with_the_job_it_lost(captured
     lease = Lease(token="broker-7", owner_token="owner-1", expires_at=timezone.now(), queue="default", envelope=env)
     recovered = []
 
-    def recover(queue: str, owner: str, counted: list[str]) -> None:
-        recovered.append((queue, owner, counted))
+    def recover(queue: str, owner: str, counted: list[str], succeeded: tuple[str, ...]) -> None:
+        recovered.append((queue, owner, counted, succeeded))
         supervisor.stopping = True  # not replaced: the run ends
 
     supervisor = pool.WorkerPool(lambda: DiesHoldingAJob(lease), recover=recover)
 
     assert supervisor.run() == 0
 
-    assert recovered == [("default", "owner-1", ["broker-7"])]
+    assert recovered == [("default", "owner-1", ["broker-7"], ())]
     [record] = captured.saying("died with status 3")
     assert fields(record) == {"job_id": env.id, "queue": "default", "handler": None, "attempt": None, "outcome": "lost"}

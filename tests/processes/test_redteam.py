@@ -112,6 +112,39 @@ def test_redteam_fast_failures_kept_for_the_batch_then_worker_death_each_counted
         assert attempts[-1] == (2, "failed"), attempts
 
 
+@pytest.mark.slow
+@PROCESS_DB
+def test_redteam_fast_successes_then_worker_death_are_not_run_again(batched_backend):
+    """docs/leases.md: a worker process that dies alone (its supervisor alive) has the successes
+    whose acks were waiting for the batch acked by its supervisor: they never run again.
+
+    Attack: four jobs succeed within a few milliseconds, one after the other in one batch (their
+    acks wait for the batch's next write, up to 50 ms), and the next job kills the worker process
+    (``os._exit``). Each of the four ran once and ends ``completed`` with one attempt."""
+    backend, alias = batched_backend
+    keys = [f"quick{i}" for i in range(4)]
+    quick = [
+        scripted.using(backend=backend, max_retries=3, priority=10).dispatch(action="ok", key=key, db=alias)
+        for key in keys
+    ]
+    killer = scripted.using(backend=backend, max_retries=0).dispatch(action="exit")
+    # Claimed in the same batch, behind the killer: it runs in the next process, after anything
+    # of higher priority handed back.
+    scripted.using(backend=backend, priority=-10).dispatch(action="ok", key="last", db=alias)
+    jobs = Job.objects.using(alias)
+    with processes() as procs:
+        worker = procs.worker("--backend", backend, env=worker_env())
+        last = SideEffect.objects.using(alias).filter(key="last")
+        wait_until(last.exists, 60, "the last job to run in the next worker process")
+        assert worker.stop() == 0, worker.output()
+    assert "died with status 3" in worker.output()
+    assert jobs.get(id=killer).status == JobStatus.FAILED
+    runs = Counter(SideEffect.objects.using(alias).filter(key__in=keys).values_list("key", flat=True))
+    assert runs == dict.fromkeys(keys, 1), (runs, worker.output())
+    if backend != "redis":  # Redis keeps no row of a completed job
+        assert sorted(jobs.filter(id__in=quick).values_list("status", "attempts")) == [("completed", 1)] * 4
+
+
 # A queue name with the character the supervisor's shared claims use as their separator.
 ODD_QUEUE = "odd\x1fqueue"
 

@@ -167,22 +167,31 @@ def row(token: str) -> dict[str, Any]:
 
 
 class TellingSupervisor:
-    """A pool's supervisor as the batch tells it: the failed runs not written, up to ``room``."""
+    """A pool's supervisor as the batch tells it: the failed runs and the successes not written,
+    up to ``room`` of each."""
 
     def __init__(self, room: int = 10) -> None:
-        self.room, self.unwritten_runs = room, set()
+        self.room, self.unwritten_runs, self.unacked = room, set(), set()
 
     def in_hand(self, lease: Lease, running: bool) -> None:
         pass
 
     def unwritten(self, lease: Lease) -> bool:
-        if len(self.unwritten_runs) >= self.room:
+        return self._keep(self.unwritten_runs, lease)
+
+    def succeeded(self, lease: Lease) -> bool:
+        return self._keep(self.unacked, lease)
+
+    def _keep(self, kept: set[str], lease: Lease) -> bool:
+        if len(kept) >= self.room:
             return False
-        self.unwritten_runs.add(lease.token)
+        kept.add(lease.token)
         return True
 
     def written(self, leases: Any) -> None:
-        self.unwritten_runs -= {lease.token for lease in leases}
+        tokens = {lease.token for lease in leases}
+        self.unwritten_runs -= tokens
+        self.unacked -= tokens
 
 
 def test_a_failed_run_is_requeued_with_the_batch_then_counted() -> None:
@@ -239,6 +248,24 @@ def test_a_supervisor_told_of_the_failed_run_lets_it_wait_for_the_batch() -> Non
     held.flush()
     assert backend.calls == [([], ["quick"])]
     assert supervisor.unwritten_runs == set()
+
+
+def test_a_supervisor_told_of_the_success_lets_its_ack_wait_for_the_batch() -> None:
+    """Under a pool, the supervisor acks the successes it was told of if the process dies: the
+    ack waits for the batch, and the supervisor forgets it once written. A supervisor with no
+    room left: the ack is written at once."""
+    backend = SettlingBackend({})
+    acked_now: list[str] = []
+    backend.ack = lambda lease: acked_now.append(lease.token)  # type: ignore[attr-defined]
+    held, supervisor = batches(RecordingHeartbeat(), backend), TellingSupervisor(room=1)
+    held.supervisor = supervisor
+    held.ack_later(lease("quick"))
+    assert supervisor.unacked == {"quick"} and not acked_now
+    held.ack_later(lease("full"))
+    assert acked_now == ["full"]  # no room: written at once
+    held.flush()
+    assert backend.calls == [(["quick"], [])]
+    assert supervisor.unacked == set()
 
 
 class OrderRecorder:
