@@ -168,10 +168,12 @@ class QueueBackend(ABC):
         self.name = name
         self.options = options
 
-    def refusal(self, exc: Exception) -> JobsError | None:
-        """One of :attr:`unavailable_errors` by which the server refused what was sent (a value
-        past one of its limits), not a failure to reach it: the error a dispatch raises instead,
-        or ``None``."""
+    def dispatch_error(self, exc: Exception) -> JobsError | None:
+        """The error a dispatch raises, chained, for ``exc``, raised by the client:
+        ``BackendUnavailable`` for one of :attr:`unavailable_errors`; ``None`` for the others,
+        which go up as they are."""
+        if isinstance(exc, self.unavailable_errors):
+            return BackendUnavailable(f"{self.where()} is unreachable: {summary(exc)}")
         return None
 
     @classmethod
@@ -508,11 +510,11 @@ class QueueBackend(ABC):
                     self.enqueue(envelopes[0])
                 else:
                     self.enqueue_many(envelopes)
-            except self.unavailable_errors as exc:
-                refused = self.refusal(exc)
-                if refused is not None:
-                    raise refused from exc
-                raise BackendUnavailable(f"{self.where()} is unreachable: {summary(exc)}") from exc
+            except Exception as exc:
+                error = self.dispatch_error(exc)
+                if error is None:
+                    raise
+                raise error from exc
 
         alias = None if self.transactional else atomic_alias()
         if alias is None:

@@ -27,7 +27,16 @@ from django.utils.dateparse import parse_datetime
 
 from .. import conf, rows
 from ..envelope import Envelope, dumps_payload
-from ..exceptions import AbortRequested, InvalidPayload, JobAborted, JobsError, LeaseLost, WorkerLost, summary
+from ..exceptions import (
+    AbortRequested,
+    BackendUnavailable,
+    InvalidPayload,
+    JobAborted,
+    JobsError,
+    LeaseLost,
+    WorkerLost,
+    summary,
+)
 from ..models import ENVELOPE_COLUMNS, ClaimedAhead, Dependency, Job, JobStatus, envelope_columns, envelope_of
 from ..retry import after_lost_run
 from . import db_settle
@@ -51,6 +60,9 @@ _ANY_DEPENDENTS = (
 _PREPARED: WeakKeyDictionary[Any, set[str]] = WeakKeyDictionary()
 UNKNOWN_PREPARED_STATEMENT = "26000"  # SQLSTATE invalid_sql_statement_name
 DUPLICATE_PREPARED_STATEMENT = "42P05"  # SQLSTATE duplicate_prepared_statement
+QUERY_CANCELED = "57014"  # SQLSTATE query_canceled: statement_timeout, a cancel
+LOCK_NOT_AVAILABLE = "55P03"  # SQLSTATE lock_not_available: lock_timeout
+READ_ONLY_SQL_TRANSACTION = "25006"  # SQLSTATE read_only_sql_transaction: a standby, a read-only transaction
 logger = logging.getLogger("django_jobs.backends.database")
 _RESULT = Job._meta.get_field("result")
 
@@ -190,15 +202,22 @@ class DatabaseBackend(LimitedBackend):
             raise ImproperlyConfigured(f"database backend {name!r} {problem}")
         self.listener = Listener(name, options.get("LISTEN_DATABASE", self.alias), self.alias)
 
-    def refusal(self, exc: Exception) -> JobsError | None:
-        """PostgreSQL's errors of class 54, *program limit exceeded* (a ``jsonb`` value past
-        256 MB, one nested past ``max_stack_depth``), are ``OperationalError`` too: the job is
-        refused, as a payload too large is."""
-        cause = exc.__cause__
-        state = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)  # psycopg 3, psycopg2
-        if isinstance(state, str) and state.startswith("54"):
+    def dispatch_error(self, exc: Exception) -> JobsError | None:
+        """PostgreSQL answered, and did not store the job, with some errors the driver raises as
+        it raises a lost connection's. Class 54, *program limit exceeded* (a ``jsonb`` value past
+        256 MB, one nested past ``max_stack_depth``): the job is refused, as a payload too large
+        is. A statement cancelled (``statement_timeout``, ``lock_timeout``, a cancel) or a
+        read-only server or transaction (a standby): ``BackendUnavailable``, saying so."""
+        state = getattr(exc.__cause__, "sqlstate", None) or getattr(exc.__cause__, "pgcode", None)  # psycopg 3, 2
+        if not isinstance(state, str):
+            return super().dispatch_error(exc)
+        if state.startswith("54"):
             return InvalidPayload(f"{self.where()} refused the job: {summary(exc)}")
-        return None
+        if state in (QUERY_CANCELED, LOCK_NOT_AVAILABLE):
+            return BackendUnavailable(f"{self.where()} did not store the job in time: {summary(exc)}")
+        if state == READ_ONLY_SQL_TRANSACTION:
+            return BackendUnavailable(f"{self.where()} is read-only here: {summary(exc)}")
+        return super().dispatch_error(exc)
 
     @functools.cached_property
     def limits(self) -> DatabaseLimits:

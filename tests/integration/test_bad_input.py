@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import re
 import sys
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -18,7 +19,7 @@ import pytest
 from django.db import connections, transaction
 
 from django_jobs import Jobs
-from django_jobs.exceptions import InvalidPayload
+from django_jobs.exceptions import BackendUnavailable, InvalidPayload
 from django_jobs.models import Job
 from django_jobs.worker import QueueWorker
 from tests.api_support import (
@@ -346,3 +347,42 @@ def test_a_job_past_a_limit_of_postgresql_is_refused_as_invalid_not_unreachable(
     assert "stack depth limit exceeded" in str(raised.value)
     assert raised.value.__cause__ is not None, "the driver's own error is chained"
     assert Job.objects.using("postgres").count() == 0
+
+
+@contextmanager
+def table_locked_elsewhere() -> Iterator[None]:
+    """Another session holds the jobs table locked (an ``ALTER TABLE``, a long migration)."""
+    import psycopg
+
+    db = connections["postgres"].settings_dict
+    with psycopg.connect(
+        host=db["HOST"], port=db["PORT"], user=db["USER"], dbname=db["NAME"], password=db["PASSWORD"] or None
+    ) as other:
+        other.execute(f"LOCK TABLE {Job._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+        yield
+        other.rollback()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ("SET LOCAL lock_timeout = '50ms'", "did not store the job in time: "),
+        ("SET LOCAL statement_timeout = '50ms'", "did not store the job in time: "),
+        ("SET TRANSACTION READ ONLY", "is read-only here: "),
+    ],
+    ids=["lock_timeout", "statement_timeout", "read_only"],
+)
+def test_a_dispatch_postgresql_answered_but_did_not_store_says_so(postgres_up, setting, says):
+    """A statement cancelled by a timeout, and a write to a read-only transaction or standby:
+    PostgreSQL answered, so the message does not say it is unreachable. The job was not stored,
+    and trying again later can store it: ``BackendUnavailable``, the driver's error chained
+    (the read-only error used to go up raw, as Django's ``InternalError``)."""
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute(setting)  # the test's transaction: undone with it
+    locked = table_locked_elsewhere() if "timeout" in setting else nullcontext()
+    with locked, pytest.raises(BackendUnavailable) as raised:
+        scripted.using(backend="pg").dispatch()
+    assert str(raised.value).startswith("backend 'pg' (") and says in str(raised.value), raised.value
+    assert "unreachable" not in str(raised.value)
+    assert raised.value.__cause__ is not None, "the driver's own error is chained"
