@@ -302,11 +302,8 @@ class Batches:
         is not run: the pipeline's start check sees it)."""
         with self._lock:
             leases = tuple(self._ahead)
-        for lease in leases:
-            try:
-                self.backend.extend(lease, self.lease_seconds)
-            except LeaseLost:
-                continue
+        if leases:
+            self.backend.extend_ahead(leases, self.lease_seconds)
 
     # -- the heartbeat thread --
 

@@ -282,6 +282,16 @@ class QueueBackend(ABC):
         the job (``requested_by`` of :meth:`request_abort`), or ``None``: backends that cannot
         abort a running job always return ``None``."""
 
+    def extend_ahead(self, leases: Sequence[Lease], seconds: float) -> None:
+        """Heartbeat, while a job runs: push the expiry of the jobs claimed ahead of it
+        ``seconds`` from now. A lease found lost is left alone (the job's start check finds it).
+        It must not wait long for one (the running job's next beat comes after it): the
+        database backend skips a row another transaction holds locked, until the next beat.
+        Default: :meth:`extend` each."""
+        for lease in leases:
+            with contextlib.suppress(LeaseLost):
+                self.extend(lease, seconds)
+
     def abort_requested(self, lease: Lease) -> str | None:
         """Who asked to abort the job of ``lease`` (``requested_by`` of :meth:`request_abort`),
         or ``None``. The heartbeat asks about once a second between its beats: one cheap read

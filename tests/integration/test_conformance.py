@@ -1052,6 +1052,23 @@ def test_recovered_claims_ack_the_successes_whose_acks_waited(queue_backend, bac
     assert elsewhere.envelope.id == other.id
 
 
+def test_extend_ahead_keeps_the_claims_ahead_and_leaves_a_lost_one_alone(queue_backend, backend_case):
+    require_prefetch(queue_backend)
+    envs = [enqueue(queue_backend, backend_case) for _ in range(3)]
+    batch = queue_backend.fetch_many("default", 3)
+    reap_now(backend_case, queue_backend, batch[1])  # lost: handed back, then claimed elsewhere
+    [elsewhere] = queue_backend.fetch_many("default", 3)
+    assert elsewhere.envelope.id == envs[1].id
+    before = [lease.expires_at for lease in batch]
+
+    queue_backend.extend_ahead(batch, 120)
+
+    assert batch[0].expires_at > before[0] and batch[2].expires_at > before[2]
+    assert batch[1].expires_at == before[1]  # lost: not extended, no error
+    for lease in (batch[0], batch[2], elsewhere):
+        queue_backend.ack(lease)  # each still held by its own claim
+
+
 def test_release_hands_a_claimed_job_back_uncounted(queue_backend, backend_case):
     require_prefetch(queue_backend)
     first, second = enqueue(queue_backend, backend_case), enqueue(queue_backend, backend_case)

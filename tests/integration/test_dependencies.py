@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import connections
+from django.db import connections, transaction
 
 from django_jobs import Jobs, chain, dependencies, group, operations
 from django_jobs.backends.base import Lease, QueueBackend
@@ -572,3 +572,44 @@ def test_purging_a_finished_child_drops_its_edges(db_case, db_backend):
     drain(db_backend)
     assert purge("completed") == 2
     assert not Dependency.objects.using(db_backend.alias).exists()
+
+
+@pytest.mark.django_db(databases=ALL_DATABASES, transaction=True)
+def test_a_long_transaction_that_made_a_job_claimed_ahead_a_parent_does_not_hold_up_the_heartbeat(db_case, db_backend):
+    """A dispatch in a transaction left open makes a job claimed ahead a parent: its row stays
+    locked until that transaction ends. The heartbeat's extend of the jobs claimed ahead comes
+    before the running job's next beat, so it must not wait for that transaction (on PostgreSQL
+    it skips the locked row until the next beat): else a transaction open longer than the lease
+    lets the running job's lease expire while it runs."""
+    if connections[db_backend.alias].vendor != "postgresql":
+        pytest.skip("PostgreSQL: rows locked one by one (SQLite has one writer)")
+    parents = [send(db_case, f"p{i}") for i in range(2)]
+    batch = db_backend.fetch_many("default", 2)
+    assert [lease.envelope.id for lease in batch] == parents
+    dispatched, release = threading.Event(), threading.Event()
+
+    def long_transaction() -> None:
+        try:
+            with transaction.atomic(using=db_backend.alias):
+                send(db_case, "child", depends_on=[parents[1]])
+                dispatched.set()
+                release.wait(30)
+        finally:
+            connections[db_backend.alias].close()
+
+    user = threading.Thread(target=long_transaction)
+    user.start()
+    try:
+        assert dispatched.wait(10)
+        before = [lease.expires_at for lease in batch]
+        beat = threading.Thread(target=db_backend.extend_ahead, args=(batch, 120), daemon=True)
+        beat.start()
+        beat.join(10)
+        assert not beat.is_alive(), "the extend waited for the user's transaction"
+        assert batch[0].expires_at > before[0]
+        assert batch[1].expires_at == before[1]  # skipped this beat: extended at the next
+    finally:
+        release.set()
+        user.join()
+    db_backend.extend_ahead(batch, 120)
+    assert batch[1].expires_at > before[1]
