@@ -1244,9 +1244,12 @@ def test_jobs_claimed_ahead_stay_leased_while_a_long_job_runs(queue_backend, bac
     results, done = [], threading.Event()
 
     def reap_meanwhile() -> None:
-        while not done.is_set():
-            queue_backend.reap_expired("default")
-            done.wait(0.05)
+        try:
+            while not done.is_set():
+                queue_backend.reap_expired("default")
+                done.wait(0.05)
+        finally:
+            connections.close_all()  # this thread's own
 
     with override_settings(JOBS={**settings.JOBS, "LEASE_TIMEOUT": 0.45}):
         reaper = threading.Thread(target=reap_meanwhile)
