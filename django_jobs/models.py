@@ -54,7 +54,7 @@ class ClaimedAhead(models.IntegerChoices):
 
     NO = 0, "No"  # claimed alone and run at once, or not claimed: a lost lease is a lost run
     YES = 1, "Yes"  # claimed in a batch, not started: a lost lease is handed back, not counted
-    LOST = 2, "After a lost claim"  # an ahead claim of it was lost: its start is recorded first
+    LOST = 2, "After a lost claim"  # a claim of it was lost (its worker died): its start is recorded first
 
 
 class Job(models.Model):

@@ -749,6 +749,9 @@ class DeliveryPipeline:
         if outcome is Outcome.ACKED:
             if lease.envelope is not None and lease.envelope.options.get("keep_result"):
                 lease.result = verdict.value
+                # Before the ack, which forgets a broker's message: a worker killed between the
+                # two leaves the result kept and the job to run again, not a job of no record.
+                _quietly(lambda: self.backend.keep_result(lease, verdict.value), "keep the job's result")
             for hook in on_success:  # before the ack: if the ack finds the lease lost, the redelivery is skipped
                 _quietly(hook, "mark the idempotency key done")
             self.retrying(self.ack, retries, lease)
@@ -810,7 +813,6 @@ class DeliveryPipeline:
         attempt = env.attempts + 1
         if outcome is Outcome.ACKED:
             if env.options.get("keep_result"):
-                _quietly(lambda: self.backend.keep_result(lease, verdict.value), "keep the job's result")
                 self._history(env, AttemptOutcome.COMPLETED, verdict)
             emit(job_succeeded, verdict.handler, envelope=env, attempt=attempt,
                  result=verdict.value, seconds=verdict.seconds)  # fmt: skip

@@ -242,8 +242,9 @@ class QueueBackend(ABC):
         record_failure(envelope, error, self.name, attempts, queue)
 
     def keep_result(self, lease: Lease, value: Any) -> None:
-        """Keep what a successful run of a ``keep_result`` job returned (after its ack): a
-        completed ``Job`` row holding it, which ``get_result`` reads."""
+        """Keep what a successful run of a ``keep_result`` job returned (before its ack: a
+        worker killed between the two leaves the job to run again, its row overwritten by its
+        next outcome): a completed ``Job`` row holding it, which ``get_result`` reads."""
         from ..audit import record_result  # the models load after the app registry
 
         assert lease.envelope is not None, "only a decoded message has a result"

@@ -802,7 +802,13 @@ class DatabaseBackend(LimitedBackend):
                 if delay is None:
                     changes = {"status": JobStatus.FAILED, "finished_at": now}
                 else:
-                    changes = {"status": JobStatus.PENDING, "available_at": now + timedelta(seconds=delay)}
+                    # Its next claim records its start before it runs: a job that crashes its
+                    # worker within an ack interval of every start has each later crash counted.
+                    changes = {
+                        "status": JobStatus.PENDING,
+                        "available_at": now + timedelta(seconds=delay),
+                        "claimed_ahead": ClaimedAhead.LOST,
+                    }
                 # Fenced on the owner token we read: a concurrent reaper or a late ack wins cleanly.
                 done = jobs.filter(pk=job.pk, owner_token=job.owner_token, status=JobStatus.IN_PROGRESS).update(
                     attempts=job.attempts + 1,

@@ -453,9 +453,10 @@ class RedisBackend(LimitedBackend):
             self._release([(lease.token, lease.queue)])
 
     def keep_result(self, lease: Lease, value: Any) -> None:
-        """A result stored before the job's dependents were released is not stored again."""
+        """Stored once: its ack, which releases the job's dependents, does not store it again."""
         if lease.result is not STORED:
             super().keep_result(lease, value)
+            lease.result = STORED
 
     def nack(self, lease: Lease, delay: float, *, error: str = "", count_run: bool = True) -> None:
         due = time.time() + max(delay, 0)

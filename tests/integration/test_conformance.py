@@ -989,6 +989,22 @@ def test_a_lost_claim_ahead_is_handed_back_uncounted_then_begun_before_its_run(q
     assert queue_backend.fetch_many("default", 5) == []
 
 
+def test_a_job_whose_counted_run_was_lost_is_begun_before_its_next_run(queue_backend, backend_case):
+    """A job that crashes its host within an ack interval of every start: its first crash is
+    handed back uncounted (its start was not written yet), every later one counts. After a
+    counted loss too, its next claim ahead records its start before it runs, so no other crash
+    goes uncounted (a red team saw every other crash uncounted: 4 runs for ``max_retries=1``)."""
+    env = lose_a_claim_ahead(queue_backend, backend_case, max_retries=3)
+    expire = require_hook(backend_case, "expire")
+    for attempts in range(3):
+        [again] = queue_backend.fetch_many("default", 5)
+        assert (again.envelope.attempts, again.must_begin) == (attempts, True)
+        queue_backend.begin(again, 30)
+        expire(queue_backend, again)  # its worker dies with it running: a lost run, counted
+        assert queue_backend.reap_expired("default") == 1
+    assert [a.outcome for a in history_of(queue_backend, env.id)] == ["lost"] * 3
+
+
 def test_lost_claims_are_recovered_at_once_counting_only_the_job_in_hand(queue_backend, backend_case):
     require_prefetch(queue_backend)
     envs = [enqueue(queue_backend, backend_case, max_retries=1) for _ in range(3)]
@@ -1001,10 +1017,13 @@ def test_lost_claims_are_recovered_at_once_counting_only_the_job_in_hand(queue_b
     assert queue_backend.reap_expired("default") == 3
     redelivered = {lease.envelope.id: lease for lease in queue_backend.fetch_many("default", 5)}
     assert sorted(redelivered) == sorted(env.id for env in envs)
-    assert redelivered[envs[1].id].envelope.attempts == 1 and not redelivered[envs[1].id].must_begin
     assert [a.outcome for a in history_of(queue_backend, envs[1].id)] == ["lost"]
-    for env in (envs[0], envs[2]):
-        assert redelivered[env.id].envelope.attempts == 0 and redelivered[env.id].must_begin
+    # Each is begun before its next run: its lost run counted, or not.
+    assert {env.id: (redelivered[env.id].envelope.attempts, redelivered[env.id].must_begin) for env in envs} == {
+        envs[0].id: (0, True),
+        envs[1].id: (1, True),
+        envs[2].id: (0, True),
+    }
     queue_backend.ack(elsewhere)  # still held by its own claim
     assert elsewhere.envelope.id == other.id
 
@@ -1416,6 +1435,30 @@ def test_the_run_loop_keeps_results_acked_together_with_the_next_fetch(queue_bac
     alias = getattr(queue_backend, "alias", "default")
     results = dict(Job.objects.using(alias).filter(pk__in=[e.id for e in envs]).values_list("pk", "result"))
     assert results == {env.id: f"value-{n}" for n, env in enumerate(envs)}
+
+
+def test_a_kept_result_is_kept_before_the_ack_that_forgets_the_message(queue_backend, backend_case, monkeypatch):
+    """A worker killed between the ack and the keeping of the result lost the job whole on a
+    broker (a red team SIGKILLed Redis workers: the killed process's last job, acked, had no
+    row, no result and no message left). The result is kept first: a death between the two
+    leaves it, and the job to run again."""
+    require_queue(queue_backend)
+    env = scripted.using(keep_result=True).builder(action="kept", db=backend_case.side_effect_db).build()
+    queue_backend.enqueue(env)
+    at_ack = []
+    ack = queue_backend.ack
+
+    def observed_ack(lease: Lease, **kwargs: Any) -> None:
+        at_ack.append(queue_backend.stored_result(lease.envelope.id))
+        ack(lease, **kwargs)
+
+    monkeypatch.setattr(queue_backend, "ack", observed_ack)
+
+    assert drain(queue_backend) == ["acked"]
+
+    # The database backend writes it with the ack itself, in the job's own row.
+    assert at_ack == [None if queue_backend.transactional else "kept"]
+    assert queue_backend.stored_result(env.id) == "kept"
 
 
 def test_a_kept_result_keeps_its_floats(queue_backend, backend_case, monkeypatch):

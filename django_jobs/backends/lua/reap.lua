@@ -1,7 +1,8 @@
 -- Recover one expired lease. Claimed ahead (maybe never started): back to waiting as it was,
 -- not a run, marked '2' so its next claim ahead must begin; returns 2. Else a lost run
--- (`action`): requeue it (retries left) or fail it; returns 1, or 3 when it failed and messages
--- depend on it (its outcome is in the outbox: see settled).
+-- (`action`): requeue it (retries left), marked '2' too (a job that crashes its worker within an
+-- ack interval of every start has each later crash counted), or fail it; returns 1, or 3 when it
+-- failed and messages depend on it (its outcome is in the outbox: see settled).
 -- A message asked to abort is neither: it is forgotten (cancelled); returns {who asked, 1 if a
 -- run was lost or 0 if it was only claimed ahead, settled's flag}.
 -- Acts only if the same lease is still held and still expired: a heartbeat or a settle that
@@ -31,6 +32,7 @@ end
 if body ~= '' then redis.call('HSET', bodies_key, id, body) end
 if action == 'retry' then
   redis.call('HSET', errors_key, id, last_error)
+  redis.call('HSET', ahead_key, id, '2')
   requeue(id, due, now)
 else
   fail(id, now, last_error)
