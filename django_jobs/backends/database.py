@@ -699,7 +699,7 @@ class DatabaseBackend(LimitedBackend):
         )
 
     def keep_result(self, lease: Lease, value: Any) -> None:
-        """Nothing to do: the ack wrote the result into the job's own row."""
+        """Nothing to do: the ack writes the result into the job's own row, in the same statement."""
 
     def extend(self, lease: Lease, seconds: float) -> str | None:
         return self._prolong(lease, seconds)
