@@ -147,9 +147,12 @@ class WorkerAdmin(admin.ModelAdmin):
 
     @admin.display(description="last seen", ordering="last_seen")
     def seen(self, obj: Worker) -> SafeString:
+        """Today: the time over how long ago. Another day: the date over the time, as
+        :meth:`started` shows it (on one line, they widened the list past a 1280 px screen)."""
         now, seen = local(self._now(obj)), local(obj.last_seen)
-        shown = f"{seen:{TIME_FORMAT}}" if seen.date() == now.date() else f"{seen:{DATE_FORMAT} {TIME_FORMAT}}"
-        return two_lines(shown, ago((now - seen).total_seconds()))
+        if seen.date() != now.date():
+            return two_lines(f"{seen:{DATE_FORMAT}}", f"{seen:{TIME_FORMAT}}")
+        return two_lines(f"{seen:{TIME_FORMAT}}", ago((now - seen).total_seconds()))
 
     @admin.display(description="current job")
     def job(self, obj: Worker) -> SafeString | str:

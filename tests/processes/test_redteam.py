@@ -226,7 +226,7 @@ def test_redteam_fast_failures_of_three_processes_killed_in_turn_each_counted_on
             wait_until(lambda: len(_worker_processes(worker.pid)) == 3, 10, "three worker processes")
             time.sleep(0.2)  # let the new process fail a few jobs
             os.kill(_worker_processes(worker.pid)[victim % 3], signal.SIGKILL)
-        wait_until(lambda: jobs.filter(id__in=ids, status=JobStatus.FAILED).count() == len(ids), 90, "all failed")
+        wait_until(lambda: jobs.filter(id__in=ids, status=JobStatus.FAILED).count() == len(ids), 240, "all failed")
         assert worker.stop() == 0, worker.output()
     runs = Counter(SideEffect.objects.using(alias).filter(key__in=keys).values_list("key", flat=True))
     for job_id, key in zip(ids, keys, strict=True):
