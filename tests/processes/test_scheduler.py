@@ -133,7 +133,8 @@ def test_jobs_work_with_scheduler_dispatches_and_runs_a_scheduled_job_then_stops
     with processes() as procs:
         worker = start(procs, schedule, "jobs_work", "--backend", "pg", "--with-scheduler", "--concurrency", "1")
         assert any(line.startswith("django-jobs worker started") for line in worker.out), worker.output()
-        assert any(line.strip().startswith("heartbeat: every second") for line in worker.out), worker.output()
+        # The entries' lines follow the start line: on a loaded machine, maybe not read yet.
+        worker.wait_for_line(lambda line: line.strip().startswith("heartbeat: every second"), 30, "the entry's line")
         [run] = wait_until(lambda: SideEffect.objects.using(PG).filter(key=key)[:1], 30, "a scheduled job's run")
         assert run.pid != worker.pid  # run by a forked worker process
         assert worker.stop(signal.SIGTERM) == 0, worker.output()
