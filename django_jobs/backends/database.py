@@ -208,8 +208,8 @@ class DatabaseBackend(LimitedBackend):
         256 MB, one nested past ``max_stack_depth``): the job is refused, as a payload too large
         is. A statement cancelled (``statement_timeout``, ``lock_timeout``, a cancel) or a
         read-only server or transaction (a standby): ``BackendUnavailable``, saying so."""
-        state = getattr(exc.__cause__, "sqlstate", None) or getattr(exc.__cause__, "pgcode", None)  # psycopg 3, 2
-        if not isinstance(state, str):
+        state = _sqlstate(exc)
+        if state is None:
             return super().dispatch_error(exc)
         if state.startswith("54"):
             return InvalidPayload(f"{self.where()} refused the job: {summary(exc)}")
@@ -282,14 +282,14 @@ class DatabaseBackend(LimitedBackend):
                     # The server session has it already (the name is the statement's hash): a
                     # pooler handed this connection a session an earlier client prepared it on.
                     # Nothing ran: the query's statements share one implicit transaction.
-                    if getattr(exc.__cause__, "sqlstate", None) != DUPLICATE_PREPARED_STATEMENT:
+                    if _sqlstate(exc) != DUPLICATE_PREPARED_STATEMENT:
                         raise
                     result = self._execute(execute, params, every_row=every_row)
                 _PREPARED.setdefault(conn.connection, set()).add(name)
                 return result
             return self._execute(execute, params, every_row=every_row)
         except ProgrammingError as exc:
-            if getattr(exc.__cause__, "sqlstate", None) != UNKNOWN_PREPARED_STATEMENT:
+            if _sqlstate(exc) != UNKNOWN_PREPARED_STATEMENT:
                 raise
             # The session lost it: a pooler in transaction mode hands out other sessions.
             logger.warning("prepared statement %s is gone on %r; no longer preparing", name, self.alias)
@@ -947,3 +947,9 @@ class DatabaseBackend(LimitedBackend):
             )
         )
         return counts
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of the driver's error Django wrapped in ``exc`` (psycopg 3, psycopg2), if any."""
+    state = getattr(exc.__cause__, "sqlstate", None) or getattr(exc.__cause__, "pgcode", None)
+    return state if isinstance(state, str) else None
