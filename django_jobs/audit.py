@@ -27,14 +27,14 @@ from .models import Job, JobStatus, envelope_columns
 logger = logging.getLogger("django_jobs.audit")
 
 
-def record_failure(envelope: Envelope, error: str, backend: str, attempts: int, queue: str | None = None) -> None:
+def record_failure(envelope: Envelope, error: str, backend: str, attempts: int, queue: str | None = None) -> bool:
     """Keep a failed ``Job`` copy of ``envelope``, delivered on ``queue`` (default: the queue it
-    names). Never raises: the backend already settled it.
+    names); whether it was written. Never raises: the backend already settled it.
 
     A broker's worker touches the database only here, so a connection broken by a database
     restart would fail every later record: a failed write closes it and tries once more on a
     fresh one (outside a transaction)."""
-    _keep(envelope, backend, attempts, queue, {"status": JobStatus.FAILED, "last_error": error}, "failure")
+    return _keep(envelope, backend, attempts, queue, {"status": JobStatus.FAILED, "last_error": error}, "failure")
 
 
 def record_cancelled(envelope: Envelope, reason: str, backend: str, attempts: int, queue: str | None = None) -> None:
@@ -51,18 +51,19 @@ def record_result(envelope: Envelope, value: Any, backend: str, attempts: int, q
 
 def _keep(
     envelope: Envelope, backend: str, attempts: int, queue: str | None, outcome: dict[str, Any], what: str
-) -> None:
+) -> bool:
     for last_try in (False, True):
         try:
             _record(envelope, outcome, backend, attempts, queue)
-            return
+            return True
         except Exception:
             connection = connections[router.db_for_write(Job)]
             if last_try or connection.in_atomic_block:
                 logger.exception("could not record the %s of job %r (%s) for the admin", what, envelope.id, backend)
-                return
+                break
             with contextlib.suppress(Exception):  # it is broken: closing may fail too
                 connection.close()
+    return False
 
 
 def _record(envelope: Envelope, outcome: dict[str, Any], backend: str, attempts: int, queue: str | None) -> None:

@@ -36,6 +36,7 @@ COUNTERS = (
     "jobs_scheduled",
     "jobs_aborted",
     "jobs_dependents_resolved",
+    "jobs_failures_recorded_late",
     "jobs_backend_errors",
 )
 HISTOGRAMS = ("jobs_exec_seconds", "jobs_wait_seconds", "jobs_retry_delay_seconds", "jobs_limit_wait_seconds")

@@ -24,7 +24,8 @@ logger = logging.getLogger("django_jobs.reaper")
 
 class Reaper:
     """Calls ``reap_expired`` for each queue (every queue when ``queues`` is empty), then the
-    backend's sweep of waiting jobs whose parents finished (``resolve_dependents``).
+    backend's sweep of waiting jobs whose parents finished (``resolve_dependents``) and its
+    sweep of failed jobs whose row was never written (``record_missed_failures``).
 
     After the backend was unreachable, leases that expired during the outage may belong to live
     workers whose heartbeats could not get through either: for one lease timeout after the last
@@ -67,6 +68,12 @@ class Reaper:
         if resolved:
             self.metrics.increment("jobs_dependents_resolved", resolved)
             logger.warning("resolved %d waiting job(s) whose parents had finished", resolved)
+        # The safety net of failed-job records: rows a worker killed (or a database down) after
+        # a broker's failing script left unwritten.
+        recorded = self.backend.record_missed_failures()
+        if recorded:
+            self.metrics.increment("jobs_failures_recorded_late", recorded)
+            logger.warning("recorded %d failed job(s) whose row had not been written", recorded)
         return total
 
     def run(self, interval: float, should_stop: Callable[[], bool] = lambda: False) -> None:

@@ -234,12 +234,19 @@ class QueueBackend(ABC):
         """The backend's own half of :meth:`abandon` (a failed set, a bury, a dead-letter
         subqueue, a failed row); fenced like every settle."""
 
-    def record_failure(self, envelope: Envelope, error: str, attempts: int, queue: str) -> None:
+    def record_failure(self, envelope: Envelope, error: str, attempts: int, queue: str) -> bool:
         """Keep a failed ``Job`` row of a job this backend settled for good, delivered on
-        ``queue`` (never raises)."""
+        ``queue``; whether it was written (never raises)."""
         from ..audit import record_failure  # the models load after the app registry
 
-        record_failure(envelope, error, self.name, attempts, queue)
+        return record_failure(envelope, error, self.name, attempts, queue)
+
+    def record_missed_failures(self) -> int:
+        """The safety net of failed-job records, run by every reaper pass: write the failed
+        ``Job`` row of each job this backend failed for good whose row was never written (its
+        worker killed between the two writes, or the database unreachable then). Returns how
+        many rows it wrote (0: none missing, or a backend that cannot tell)."""
+        return 0
 
     def keep_result(self, lease: Lease, value: Any) -> None:
         """Keep what a successful run of a ``keep_result`` job returned (before its ack: a

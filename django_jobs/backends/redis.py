@@ -20,6 +20,7 @@ script or pipeline grows with a flow's size.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -84,6 +85,9 @@ SCRIPTS = (
 # Priorities share a float64 score with a 40-bit sequence number: keep them exact.
 PRIORITY_LIMIT = 8000
 REAP_BATCH = 500
+# A failed message's Job row is written just after the script that failed it: the reaper writes
+# the rows still missing this long (seconds) after the failure.
+RECORD_GRACE = 60.0
 # Edges one attach script links (so that a group of thousands does not hold Redis up at once).
 LINK_BATCH = 500
 # Edges one round of a drain resolves, and commands one pipeline sends: a flow of 100,000 jobs
@@ -130,6 +134,7 @@ class QueueKeys(NamedTuple):
     finished: str  # hash: parent id -> its outcome, until its dependents are resolved (the outbox)
     blocked: str  # hash: child id -> how many parents it was dispatched with, while it waits
     edges: str  # zset (lex): "child id NUL parent id" for each parent a blocked child still waits for
+    unrecorded: str  # zset: failure time (ms) -> id of a failed message whose Job row is not written yet
 
     @classmethod
     def of(cls, prefix: str, queue: str) -> QueueKeys:
@@ -472,7 +477,7 @@ class RedisBackend(LimitedBackend):
         has_dependents = self._fail(lease, error, count_run)
         if lease.envelope is not None:
             env = lease.envelope
-            self.record_failure(env, error, env.attempts + int(count_run), lease.queue)
+            self._record_failure(lease.token, env, error, env.attempts + int(count_run), lease.queue)
         if has_dependents:
             self._release([(lease.token, lease.queue)])
 
@@ -485,6 +490,47 @@ class RedisBackend(LimitedBackend):
         env = lease.envelope
         body = b"" if env is None else (env.next_attempt() if count_run else env).to_bytes()
         return bool(self._fenced("abandon", lease, body, _ms(), error) == HAS_DEPENDENTS)
+
+    def _record_failure(self, job_id: str | bytes, envelope: Envelope, error: str, attempts: int, queue: str) -> None:
+        """:meth:`record_failure` of the failed message ``job_id``, then its id out of the
+        queue's ``unrecorded`` set (which every failing script adds it to). A row not written,
+        or an id not taken out, is left to :meth:`record_missed_failures`."""
+        if self.record_failure(envelope, error, attempts, queue):
+            with contextlib.suppress(*self.unavailable_errors):
+                self.client.zrem(self.keys(queue).unrecorded, job_id)
+
+    def record_missed_failures(self) -> int:
+        """Per queue, up to ``REAP_BATCH`` messages failed over ``RECORD_GRACE`` seconds ago whose
+        row is still unwritten: each still in the failed set and decodable gets its row, from
+        its stored body and error; the others (retried or purged since, undecodable) need none.
+        Stops at the first row it cannot write (the database is down: the next pass tries again)."""
+        written = 0
+        cut = _ms(time.time() - RECORD_GRACE)
+        for queue in conf.queues():
+            keys = self.keys(queue)
+            ids = self.client.zrangebyscore(keys.unrecorded, "-inf", cut, start=0, num=REAP_BATCH)
+            if not ids:
+                continue
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zmscore(keys.failed, ids)
+            pipe.hmget(keys.bodies, ids)
+            pipe.hmget(keys.errors, ids)
+            failed, bodies, errors = pipe.execute()
+            done: list[bytes] = []
+            stuck = False
+            for job_id, score, body, error in zip(ids, failed, bodies, errors, strict=True):
+                env = decode_lease_body(body)[0] if score is not None and body is not None else None
+                if env is not None:
+                    if not self.record_failure(env, _text(error), env.attempts, queue):
+                        stuck = True
+                        break
+                    written += 1
+                done.append(job_id)
+            if done:
+                self.client.zrem(keys.unrecorded, *done)
+            if stuck:
+                break
+        return written
 
     def peek(self, job_id: str) -> LiveJob | None:
         """Looks in every queue of ``JOBS["QUEUES"]`` (one round trip): a message is live while
@@ -714,7 +760,7 @@ class RedisBackend(LimitedBackend):
             envelope, _ = decode_lease_body(reply[1])
             if envelope is not None:  # an undecodable body stays in the failed set for audit
                 if verdict.state == "failed":
-                    self.record_failure(envelope, verdict.reason, envelope.attempts, child_queue)
+                    self._record_failure(child, envelope, verdict.reason, envelope.attempts, child_queue)
                 else:
                     record_cancelled(envelope, verdict.reason, self.name, envelope.attempts, child_queue)
                 record_settled(child, child_queue, envelope.handler, envelope.attempts + 1, verdict, self.history_alias)
@@ -812,7 +858,7 @@ class RedisBackend(LimitedBackend):
                 elif done in (1, REAPED_WITH_DEPENDENTS) and env is not None:
                     lost_run(self, env.id, queue, env.attempts + 1, error, retry_in=retry_in, handler=env.handler)
                     if action == "fail":
-                        self.record_failure(env, error, env.attempts + 1, queue)
+                        self._record_failure(job_id, env, error, env.attempts + 1, queue)
                 if done != 0 and env is not None and owner is not None:  # its limits' slots free now
                     self.limits.reaped(_text(job_id), _text(owner), env.handler, queue)
                 if done == REAPED_WITH_DEPENDENTS:
@@ -911,6 +957,7 @@ class RedisBackend(LimitedBackend):
             pipe.hdel(keys.errors, *ids)
             pipe.hdel(keys.bodies, *ids)
             pipe.hdel(keys.priorities, *ids)
+            pipe.zrem(keys.unrecorded, *ids)
             pipe.execute()
         return len(ids)
 

@@ -17,13 +17,16 @@ import importlib
 import importlib.resources
 import io
 import json
+import logging
 import re
 import signal
+import sqlite3
 import sys
 import threading
 import time
 import uuid
 from collections import Counter
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -32,7 +35,7 @@ import redis
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
-from django.db import transaction
+from django.db import connections, transaction
 from django.test import override_settings
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -46,6 +49,7 @@ from django_jobs.idempotency import Claim, IdempotencyGuard
 from django_jobs.metrics import get_collector
 from django_jobs.models import Job, JobStatus
 from django_jobs.operations import retry_jobs
+from django_jobs.reaper import Reaper
 from django_jobs.worker import QueueWorker
 from tests.procs import pid_alive, processes, wait_until, worker_env
 from tests.testapp.jobs import scripted
@@ -452,6 +456,150 @@ def test_abandon_records_a_failed_job_row_and_admin_retry_redispatches_to_redis(
     assert (again.status, again.job_id) == ("acked", job_id)
     assert len(effects(key, "default")) == 2
     assert backend.stats("default") == zero_stats()
+
+
+# -- 5b. a failed row left unwritten is written by the reaper ----------------------------------------
+
+
+@contextmanager
+def database_gone(alias: str = "default"):
+    """The ``alias`` database unreachable for real: its connection closed and its settings
+    pointed at a file that cannot be opened, so the next query's connect fails."""
+    connection = connections[alias]
+    name = connection.settings_dict["NAME"]
+    connection.close()
+    connection.settings_dict["NAME"] = "/nonexistent-dir/gone.sqlite3"
+    try:
+        yield
+    finally:
+        connection.close()
+        connection.settings_dict["NAME"] = name
+
+
+def _fail_for_good(backend: RedisBackend, action: str = "raise") -> str:
+    job_id = backend.enqueue(scripted.using(max_retries=0).builder(action=action).build())
+    outcome = QueueWorker("redis", ["default"]).process_once()
+    assert (outcome.status, outcome.job_id) == ("dead-lettered", job_id)
+    return job_id
+
+
+def _age_unrecorded(raw: Any, k: QueueKeys, seconds: float = 120) -> None:
+    """Every id of ``unrecorded`` failed ``seconds`` ago: past the reaper's grace."""
+    for member, _ in raw.zrange(k.unrecorded, 0, -1, withscores=True):
+        raw.zadd(k.unrecorded, {member: (time.time() - seconds) * 1000}, xx=True)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_row_the_database_refused_is_written_by_a_later_reaper_pass(backend, raw, caplog):
+    """The database down when a job fails for good: the job is in the failed set, and its
+    row is written by the first reaper pass a minute after the failure, from what Redis kept."""
+    k = backend.keys("default")
+    with database_gone():
+        job_id = _fail_for_good(backend)
+    assert raw.zscore(k.failed, job_id) is not None
+    assert not Job.objects.filter(pk=job_id).exists(), "the database was down: no row yet"
+    assert raw.zscore(k.unrecorded, job_id) is not None
+
+    reaper = Reaper(backend)
+    reaper.reap_once()
+    assert not Job.objects.filter(pk=job_id).exists(), "within the grace the worker may still write it"
+
+    _age_unrecorded(raw, k)
+    before = reaper.metrics.get("jobs_failures_recorded_late")
+    with caplog.at_level(logging.WARNING, logger="django_jobs.reaper"):
+        reaper.reap_once()
+    row = Job.objects.get(pk=job_id)
+    assert (row.status, row.backend, row.queue, row.attempts) == (JobStatus.FAILED, "redis", "default", 1)
+    assert row.last_error.startswith("RuntimeError: scripted failure"), row.last_error
+    assert row.handler == "tests.testapp.jobs.scripted"
+    assert raw.zscore(k.unrecorded, job_id) is None
+    assert reaper.metrics.get("jobs_failures_recorded_late") == before + 1
+    assert "recorded 1 failed job(s) whose row had not been written" in caplog.text
+
+    # Its admin retry works as for a row written at once.
+    assert retry_jobs(Job.objects.filter(pk=job_id)).retried == 1
+    assert raw.zscore(k.waiting, job_id) is not None and raw.zscore(k.failed, job_id) is None
+    assert reaper.reap_once() == 0 and not Job.objects.filter(pk=job_id).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_row_written_at_once_leaves_nothing_for_the_reaper(backend, raw):
+    k = backend.keys("default")
+    job_id = _fail_for_good(backend)
+    assert Job.objects.get(pk=job_id).status == JobStatus.FAILED
+    assert raw.zcard(k.unrecorded) == 0
+    assert backend.record_missed_failures() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_sweep_skips_jobs_retried_purged_or_undecodable_and_stops_while_the_database_is_down(backend, raw):
+    k = backend.keys("default")
+    with database_gone():
+        retried, purged, garbled, kept, other = (_fail_for_good(backend) for _ in range(5))
+    assert raw.zcard(k.unrecorded) == 5
+    backend.redispatch(Envelope.from_bytes(raw.hget(k.bodies, retried)))  # what the admin's retry sends
+    raw.hset(k.bodies, garbled, b"\xff not json")
+    raw.zrem(k.failed, purged)  # as if purged by hand, its unrecorded entry left behind
+    _age_unrecorded(raw, k)
+
+    with database_gone():
+        assert backend.record_missed_failures() == 0
+    # Those needing no row are gone; the first that needed one stopped the pass.
+    left = {m.decode() for m in raw.zrange(k.unrecorded, 0, -1)}
+    assert {kept, other} >= left and left, left
+
+    assert backend.record_missed_failures() == 2
+    assert raw.zcard(k.unrecorded) == 0
+    assert set(Job.objects.values_list("pk", flat=True)) == {kept, other}
+    assert raw.zscore(k.failed, garbled) is not None, "an undecodable message stays failed, for audit"
+
+
+@pytest.mark.django_db
+def test_purge_failed_forgets_unrecorded_ids_too(backend, raw):
+    k = backend.keys("default")
+    backend.enqueue(scripted.using(backend="redis").builder(action="ok").build())
+    lease = backend.fetch("default")
+    assert lease is not None
+    backend._fail(lease, "test: failed, its row never written", True)
+    assert raw.zcard(k.unrecorded) == 1
+    assert backend.purge_failed("default") == 1
+    assert raw.zcard(k.unrecorded) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@PROCESS_DB
+def test_worker_killed_between_the_failed_set_and_its_row_gets_the_row_from_jobs_reap(postgres_up, backend, raw):
+    """The worker's row write waits on a lock the test holds (its SQLite database), the job
+    already in the failed set; the worker is SIGKILLed there. ``jobs_reap`` writes the row."""
+    k = backend.keys("default")
+    key = unique("runrecorded")
+    path = connections["default"].settings_dict["NAME"]
+    lock = sqlite3.connect(path, timeout=0, isolation_level=None)
+    with processes() as procs:
+        worker = procs.worker("--backend", "redis", "--prefetch", "1", env=worker_env())
+        lock.execute("BEGIN IMMEDIATE")  # every write to the worker's SQLite database waits now
+        try:
+            job_id = scripted.using(backend="redis", max_retries=0).dispatch(action="raise", key=key, db=PG)
+            wait_until(lambda: raw.zscore(k.failed, job_id) is not None, 30, "the job in the failed set")
+            time.sleep(0.3)  # the row's write has begun waiting on the lock
+            worker.send(signal.SIGKILL, group=True)
+            assert worker.wait(10) == -signal.SIGKILL
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        assert len(effects(key)) == 1
+        assert not Job.objects.filter(pk=job_id).exists(), worker.output()
+        assert raw.zscore(k.unrecorded, job_id) is not None
+
+        _age_unrecorded(raw, k)
+        code, reap = procs.run("jobs_reap", "--backend", "redis", env=worker_env())
+        assert code == 0, reap.output()
+    row = Job.objects.get(pk=job_id)
+    assert (row.status, row.backend, row.attempts) == (JobStatus.FAILED, "redis", 1)
+    assert row.last_error.startswith("RuntimeError: scripted failure"), row.last_error
+    assert raw.zcard(k.unrecorded) == 0
+    assert backend.stats("default") == {**zero_stats(), "failed": 1}
 
 
 # -- 6. dispatch inside a transaction: pushed on commit only ---------------------------------------

@@ -16,6 +16,7 @@ local dependents_key = KEYS[13] -- zset (lex): parent id NUL child id NUL child 
 local finished_key = KEYS[14]   -- hash: parent id -> its outcome, until every edge is resolved (outbox)
 local blocked_key = KEYS[15]    -- hash: child id -> how many parents it was dispatched with
 local edges_key = KEYS[16]      -- zset (lex): child id NUL parent id, each edge of a blocked message still open
+local unrecorded_key = KEYS[17] -- zset: failure ms -> id, failed and its Job row not written yet
 
 -- 2^40: one priority step in a waiting score, above any sequence number.
 local PRIORITY_STEP = 1099511627776
@@ -44,6 +45,7 @@ end
 -- Failed for good: kept for audit; an abort asked of it is moot.
 local function fail(id, now, err)
   redis.call('ZADD', failed_key, now, id)
+  redis.call('ZADD', unrecorded_key, now, id)
   redis.call('HSET', errors_key, id, err)
   redis.call('HDEL', aborts_key, id)
 end
