@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, NamedTuple
 
 from django.db import connections, router
+from django.db.models import Q
 from django.utils import timezone
 
 from . import signing
@@ -27,9 +30,19 @@ from .models import Job, JobStatus, envelope_columns
 logger = logging.getLogger("django_jobs.audit")
 
 
-def record_failure(envelope: Envelope, error: str, backend: str, attempts: int, queue: str | None = None) -> bool:
+class Recorded(NamedTuple):
+    """A row a record wrote: its id, its ``updated_at``, and whether it was new."""
+
+    pk: str
+    updated_at: datetime
+    created: bool
+
+
+def record_failure(
+    envelope: Envelope, error: str, backend: str, attempts: int, queue: str | None = None
+) -> Recorded | None:
     """Keep a failed ``Job`` copy of ``envelope``, delivered on ``queue`` (default: the queue it
-    names); whether it was written. Never raises: the backend already settled it.
+    names); the row written, or ``None``. Never raises: the backend already settled it.
 
     A broker's worker touches the database only here, so a connection broken by a database
     restart would fail every later record: a failed write closes it and tries once more on a
@@ -49,13 +62,24 @@ def record_result(envelope: Envelope, value: Any, backend: str, attempts: int, q
     _keep(envelope, backend, attempts, queue, {"status": JobStatus.COMPLETED, "result": value}, "result")
 
 
+def forget(records: Sequence[Recorded]) -> None:
+    """Delete rows a record wrote, unless written again since (never raises): a broker's
+    failed job retried or purged while its row was being written."""
+    stale = Q()
+    for record in records:
+        stale |= Q(pk=record.pk, updated_at=record.updated_at)
+    try:
+        Job.objects.filter(stale).delete()
+    except Exception:
+        logger.exception("could not delete the failed rows of %d job(s) retried or purged meanwhile", len(records))
+
+
 def _keep(
     envelope: Envelope, backend: str, attempts: int, queue: str | None, outcome: dict[str, Any], what: str
-) -> bool:
+) -> Recorded | None:
     for last_try in (False, True):
         try:
-            _record(envelope, outcome, backend, attempts, queue)
-            return True
+            return _record(envelope, outcome, backend, attempts, queue)
         except Exception:
             connection = connections[router.db_for_write(Job)]
             if last_try or connection.in_atomic_block:
@@ -63,10 +87,10 @@ def _keep(
                 break
             with contextlib.suppress(Exception):  # it is broken: closing may fail too
                 connection.close()
-    return False
+    return None
 
 
-def _record(envelope: Envelope, outcome: dict[str, Any], backend: str, attempts: int, queue: str | None) -> None:
+def _record(envelope: Envelope, outcome: dict[str, Any], backend: str, attempts: int, queue: str | None) -> Recorded:
     now = timezone.now()
     error = outcome.get("last_error", "")
     fields: dict[str, Any] = {
@@ -84,8 +108,8 @@ def _record(envelope: Envelope, outcome: dict[str, Any], backend: str, attempts:
         # A new row's created_at is the job's dispatch, which its id tells, not this record's time.
         fields = _fitted(fields)  # a message from before dispatch refused what no row holds
         sent = {"created_at": time_of(envelope.id) or now}
-        Job.objects.update_or_create(id=envelope.id, defaults=fields, create_defaults={**fields, **sent})
-        return
+        _, created = Job.objects.update_or_create(id=envelope.id, defaults=fields, create_defaults={**fields, **sent})
+        return Recorded(envelope.id, now, created)
     # Its own record: the fields are the message's as received, for audit, and the id it
     # claimed is only quoted. The signature was made (if at all) over another id, so this
     # row never verifies, and the admin's retry refuses it.
@@ -93,13 +117,14 @@ def _record(envelope: Envelope, outcome: dict[str, Any], backend: str, attempts:
         f"{error}\n\nNot the record of job {envelope.id!r}: {reason}. This is the message as "
         f"received, kept under a new id for audit; it cannot be retried."
     )
-    Job.objects.create(id=new_id(), created_at=now, **_fitted(fields))
+    row = Job.objects.create(id=new_id(), created_at=now, **_fitted(fields))
     logger.warning(
         "an unverified message claiming job id %r (%s) was recorded as a new failed row: %s",
         envelope.id,
         backend,
         reason,
     )
+    return Recorded(row.pk, now, True)
 
 
 # What the Job table's integer columns hold on every database.

@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.utils import timezone
@@ -27,6 +27,9 @@ from ..exceptions import (
     summary,
 )
 from ..limits import Limit, describe, limits_for
+
+if TYPE_CHECKING:
+    from ..audit import Recorded
 
 # ``Lease.result`` of a run whose value is not kept (``None`` is a value: the job returned it).
 NO_RESULT: Any = object()
@@ -234,9 +237,9 @@ class QueueBackend(ABC):
         """The backend's own half of :meth:`abandon` (a failed set, a bury, a dead-letter
         subqueue, a failed row); fenced like every settle."""
 
-    def record_failure(self, envelope: Envelope, error: str, attempts: int, queue: str) -> bool:
+    def record_failure(self, envelope: Envelope, error: str, attempts: int, queue: str) -> Recorded | None:
         """Keep a failed ``Job`` row of a job this backend settled for good, delivered on
-        ``queue``; whether it was written (never raises)."""
+        ``queue``; the row written, or ``None`` (never raises)."""
         from ..audit import record_failure  # the models load after the app registry
 
         return record_failure(envelope, error, self.name, attempts, queue)

@@ -786,7 +786,9 @@ class DatabaseBackend(LimitedBackend):
                     reaped += self._reap_aborted(job, now)
                 continue
             if job.claimed_ahead != ClaimedAhead.NO:
-                reaped += self._hand_back(job, now)
+                with transaction.atomic(using=self.alias):
+                    if self._locked(job):
+                        reaped += self._hand_back(job, now)
                 continue
             from .. import dependencies  # an expired lease: a row to recover
 
@@ -796,6 +798,8 @@ class DatabaseBackend(LimitedBackend):
                 reaping(job.pk, job.queue, fatal=(OperationalError, InterfaceError)),
                 transaction.atomic(using=self.alias),
             ):  # a savepoint: a failed row leaves the others usable
+                if not self._locked(job):
+                    continue
                 error = WorkerLost.describe(job.leased_until)
                 options = trusted_options(envelope_of(job), job.queue)
                 delay = after_lost_run(job.attempts, job.max_retries, options)
@@ -835,21 +839,23 @@ class DatabaseBackend(LimitedBackend):
         who, counted = str(job.abort_requested), job.claimed_ahead == ClaimedAhead.NO
         error = f"{JobAborted.describe(who)}\n{WorkerLost.describe(job.leased_until)}"
         resolution = dependencies.Resolution()
+        done = 0
         with transaction.atomic(using=self.alias):  # the jobs waiting for it are decided with it
-            done: int = (
-                Job.objects.using(self.alias)
-                .filter(pk=job.pk, owner_token=job.owner_token, status=JobStatus.IN_PROGRESS)
-                .update(
-                    status=JobStatus.CANCELLED,
-                    attempts=job.attempts + int(counted),
-                    finished_at=now,
-                    owner_token=None,
-                    leased_until=None,
-                    claimed_ahead=ClaimedAhead.NO,
-                    last_error=error,
-                    updated_at=now,
+            if self._locked(job):  # else left to a later pass
+                done = (
+                    Job.objects.using(self.alias)
+                    .filter(pk=job.pk, owner_token=job.owner_token, status=JobStatus.IN_PROGRESS)
+                    .update(
+                        status=JobStatus.CANCELLED,
+                        attempts=job.attempts + int(counted),
+                        finished_at=now,
+                        owner_token=None,
+                        leased_until=None,
+                        claimed_ahead=ClaimedAhead.NO,
+                        last_error=error,
+                        updated_at=now,
+                    )
                 )
-            )
             if done:
                 dependencies.resolve(self.alias, job.pk, "cancelled", resolution)
         if done:
@@ -865,6 +871,20 @@ class DatabaseBackend(LimitedBackend):
             f"({', '.join(['%s'] * len(tokens))}) THEN 0 ELSE claimed_ahead END "
             f"WHERE status = 'in_progress' AND queue = %s AND owner_token = %s",
             [self._adapt(timezone.now() - timedelta(seconds=1)), *tokens, queue, owner_token],
+        )
+
+    def _locked(self, job: Job) -> bool:
+        """In the caller's transaction, lock the row of ``job``, an expired lease the reaper read,
+        if it is still as read and no other transaction holds it. A row held (a worker stopped
+        inside its settle's transaction, a transaction left open) is left to a later pass rather
+        than holding up this one, and every row after it."""
+        return (
+            Job.objects.using(self.alias)
+            .select_for_update(skip_locked=self._conn.features.has_select_for_update_skip_locked)
+            .filter(pk=job.pk, owner_token=job.owner_token, status=JobStatus.IN_PROGRESS)
+            .values_list("pk", flat=True)
+            .first()
+            is not None
         )
 
     def _hand_back(self, job: Job, now: datetime) -> int:

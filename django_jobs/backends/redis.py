@@ -30,7 +30,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from functools import cache, cached_property
 from importlib.resources import files
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import conf, rows
 from ..envelope import Envelope
@@ -57,6 +57,9 @@ from .base import (
     Requeued,
     decode_lease_body,
 )
+
+if TYPE_CHECKING:
+    from ..audit import Recorded
 
 redis = require("redis", "redis")
 logger = logging.getLogger("django_jobs.backends.redis")
@@ -492,45 +495,68 @@ class RedisBackend(LimitedBackend):
         return bool(self._fenced("abandon", lease, body, _ms(), error) == HAS_DEPENDENTS)
 
     def _record_failure(self, job_id: str | bytes, envelope: Envelope, error: str, attempts: int, queue: str) -> None:
-        """:meth:`record_failure` of the failed message ``job_id``, then its id out of the
-        queue's ``unrecorded`` set (which every failing script adds it to). A row not written,
-        or an id not taken out, is left to :meth:`record_missed_failures`."""
-        if self.record_failure(envelope, error, attempts, queue):
+        """:meth:`record_failure` of the failed message ``job_id``, then :meth:`_recorded`. A row
+        not written, or an id not taken out of ``unrecorded``, is left to
+        :meth:`record_missed_failures`."""
+        recorded = self.record_failure(envelope, error, attempts, queue)
+        if recorded is not None:
             with contextlib.suppress(*self.unavailable_errors):
-                self.client.zrem(self.keys(queue).unrecorded, job_id)
+                self._recorded(queue, [(job_id, recorded)])
+
+    def _recorded(self, queue: str, written: list[tuple[str | bytes, Recorded]]) -> list[Recorded]:
+        """Rows just written for the failed messages of ``queue``: their ids out of ``unrecorded``
+        (which every failing script adds them to), and, in the same round trip, a look at the
+        failed set: the row of a job no longer failed (retried or purged while its row was being
+        written) is deleted again. Returns those deleted."""
+        from ..audit import forget  # the models load after the app registry
+
+        keys = self.keys(queue)
+        ids = [job_id for job_id, _ in written]
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrem(keys.unrecorded, *ids)
+        pipe.zmscore(keys.failed, ids)
+        _, scores = pipe.execute()
+        stale = [recorded for (_, recorded), score in zip(written, scores, strict=True) if score is None]
+        if stale:
+            forget(stale)
+        return stale
 
     def record_missed_failures(self) -> int:
-        """Per queue, up to ``REAP_BATCH`` messages failed over ``RECORD_GRACE`` seconds ago whose
-        row is still unwritten: each still in the failed set and decodable gets its row, from
-        its stored body and error; the others (retried or purged since, undecodable) need none.
-        Stops at the first row it cannot write (the database is down: the next pass tries again)."""
-        written = 0
+        """Per queue, every message failed over ``RECORD_GRACE`` seconds ago whose row is still
+        unwritten (``REAP_BATCH`` at a time): each still in the failed set and decodable gets its
+        row, from its stored body and error; the others (retried or purged since, undecodable)
+        need none. Stops at the first row it cannot write (the database is down: the next pass
+        tries again). Returns how many rows it created and kept (a row written by a worker that
+        died before taking its id out is written again, not counted)."""
+        created = 0
         cut = _ms(time.time() - RECORD_GRACE)
         for queue in conf.queues():
             keys = self.keys(queue)
-            ids = self.client.zrangebyscore(keys.unrecorded, "-inf", cut, start=0, num=REAP_BATCH)
-            if not ids:
-                continue
-            pipe = self.client.pipeline(transaction=False)
-            pipe.zmscore(keys.failed, ids)
-            pipe.hmget(keys.bodies, ids)
-            pipe.hmget(keys.errors, ids)
-            failed, bodies, errors = pipe.execute()
-            done: list[bytes] = []
-            stuck = False
-            for job_id, score, body, error in zip(ids, failed, bodies, errors, strict=True):
-                env = decode_lease_body(body)[0] if score is not None and body is not None else None
-                if env is not None:
-                    if not self.record_failure(env, _text(error), env.attempts, queue):
-                        stuck = True
+            while ids := self.client.zrangebyscore(keys.unrecorded, "-inf", cut, start=0, num=REAP_BATCH):
+                pipe = self.client.pipeline(transaction=False)
+                pipe.zmscore(keys.failed, ids)
+                pipe.hmget(keys.bodies, ids)
+                pipe.hmget(keys.errors, ids)
+                failed, bodies, errors = pipe.execute()
+                needless: list[bytes] = []
+                written: list[tuple[str | bytes, Recorded]] = []
+                for job_id, score, body, error in zip(ids, failed, bodies, errors, strict=True):
+                    env = decode_lease_body(body)[0] if score is not None and body is not None else None
+                    recorded = None if env is None else self.record_failure(env, _text(error), env.attempts, queue)
+                    if env is None:
+                        needless.append(job_id)
+                    elif recorded is None:
                         break
-                    written += 1
-                done.append(job_id)
-            if done:
-                self.client.zrem(keys.unrecorded, *done)
-            if stuck:
-                break
-        return written
+                    else:
+                        written.append((job_id, recorded))
+                if needless:
+                    self.client.zrem(keys.unrecorded, *needless)
+                if written:
+                    stale = self._recorded(queue, written)
+                    created += sum(recorded.created and recorded not in stale for _, recorded in written)
+                if len(needless) + len(written) < len(ids):  # a row could not be written
+                    return created
+        return created
 
     def peek(self, job_id: str) -> LiveJob | None:
         """Looks in every queue of ``JOBS["QUEUES"]`` (one round trip): a message is live while

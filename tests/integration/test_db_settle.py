@@ -4,18 +4,28 @@ real PostgreSQL (both bindings) and on SQLite; and how many statements a batch c
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import connections
+from django.db import connections, transaction
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from django_jobs.backends.base import Lease, QueueBackend, Requeue
 from django_jobs.models import Job
-from tests.backend_params import BACKEND_PARAMS, PG_SERVER_SIDE_BINDING, BackendCase, backend_of, ready_case
+from tests.backend_params import (
+    ALL_DATABASES,
+    BACKEND_PARAMS,
+    PG_SERVER_SIDE_BINDING,
+    BackendCase,
+    backend_of,
+    ready_case,
+)
 from tests.integration.test_conformance import enqueue
 from tests.testapp.jobs import flow_step
 
@@ -153,3 +163,52 @@ def test_a_batch_costs_one_statement_and_a_refused_requeue_one_more(backend, cas
     assert statements(backend, lambda: backend.settle_many_and_fetch(more[:2], requeues[:0], "default", 5)) == 1
     again = [Requeue(lease, later, "RuntimeError: again") for lease in more[2:]]
     assert statements(backend, lambda: backend.settle_many_and_fetch([], again, "default", 5)) == 1
+
+
+@pytest.mark.django_db(databases=[*ALL_DATABASES, "postgres_ssb"], transaction=True)
+def test_a_row_another_transaction_holds_does_not_hold_up_the_reaper(backend, case):
+    """A worker stopped inside its settle's transaction (SIGSTOP, a paused VM) keeps its rows
+    locked while their leases expire. The reaper must not wait for it: it would hold up every
+    row after it, and the worker that runs the reap. It skips the held row until the lock is
+    gone and reaps the others."""
+    if connections[backend.alias].vendor != "postgresql":
+        pytest.skip("PostgreSQL: rows locked one by one (SQLite has one writer)")
+    held, other, ahead = claim(backend, case, 3, max_retries=3)
+    jobs = Job.objects.using(backend.alias)
+    jobs.update(leased_until=timezone.now() - timedelta(seconds=5), claimed_ahead=0)  # both begun, and
+    jobs.filter(pk=ahead.token).update(claimed_ahead=1)  # one still claimed ahead
+    locked, release = threading.Event(), threading.Event()
+
+    def stopped_worker() -> None:
+        try:
+            with transaction.atomic(using=backend.alias):
+                list(jobs.select_for_update().filter(pk__in=[held.token, ahead.token]))
+                locked.set()
+                release.wait(30)
+        finally:
+            connections[backend.alias].close()
+
+    def reap() -> None:
+        try:
+            reaped.append(backend.reap_expired("default"))
+        finally:
+            connections[backend.alias].close()
+
+    reaped: list[int] = []
+    worker = threading.Thread(target=stopped_worker)
+    worker.start()
+    try:
+        assert locked.wait(10)
+        reaper = threading.Thread(target=reap, daemon=True)
+        reaper.start()
+        reaper.join(10)
+        assert not reaper.is_alive(), "the reaper waited for the other transaction"
+        assert reaped == [1]
+        assert (row(backend, other).status, row(backend, other).attempts) == ("pending", 1)
+        assert row(backend, held).status == row(backend, ahead).status == "in_progress"
+    finally:
+        release.set()
+        worker.join()
+    assert backend.reap_expired("default") == 2  # the lock gone: the next pass reaps them
+    assert (row(backend, held).status, row(backend, held).attempts) == ("pending", 1)
+    assert (row(backend, ahead).status, row(backend, ahead).attempts) == ("pending", 0)

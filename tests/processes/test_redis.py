@@ -554,6 +554,100 @@ def test_the_sweep_skips_jobs_retried_purged_or_undecodable_and_stops_while_the_
     assert raw.zscore(k.failed, garbled) is not None, "an undecodable message stays failed, for audit"
 
 
+@contextmanager
+def database_locked(monkeypatch: pytest.MonkeyPatch):
+    """Every write to the ``default`` SQLite database by a connection opened in the block waits
+    (up to its 30 s busy timeout) until the block ends: another connection holds the write lock.
+    (Those connections take the lock at ``BEGIN``, as the workers of these tests do: a
+    transaction that read first would be refused at once instead of waiting.)"""
+    monkeypatch.setitem(connections["default"].settings_dict["OPTIONS"], "transaction_mode", "IMMEDIATE")
+    lock = sqlite3.connect(connections["default"].settings_dict["NAME"], timeout=0, isolation_level=None)
+    lock.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+
+
+def in_thread(target: Any) -> tuple[threading.Thread, list[Any]]:
+    """``target()`` started in a thread of its own (which closes its connections); its result
+    lands in the list."""
+    results: list[Any] = []
+
+    def run() -> None:
+        try:
+            results.append(target())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, results
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("meanwhile", ["retried", "purged"])
+def test_a_failed_row_whose_write_outlasted_a_retry_or_purge_is_deleted_again(backend, raw, meanwhile, monkeypatch):
+    """The worker's row write waits (the database is slow); meanwhile the job leaves the failed
+    set (the admin's retry re-dispatches it; a purge forgets it). The row that lands then would
+    show as failed a job that is not: it is deleted again."""
+    k = backend.keys("default")
+    job_id = backend.enqueue(scripted.using(max_retries=0).builder(action="raise").build())
+    with database_locked(monkeypatch):
+        worker, outcome = in_thread(QueueWorker("redis", ["default"]).process_once)
+        wait_until(lambda: raw.zscore(k.failed, job_id) is not None, 10, "the job in the failed set")
+        if meanwhile == "retried":
+            backend.redispatch(Envelope.from_bytes(raw.hget(k.bodies, job_id)))
+        else:
+            assert backend.purge_failed("default") == 1
+    worker.join(60)
+    assert [(o.status, o.job_id) for o in outcome] == [("dead-lettered", job_id)]
+    assert not Job.objects.filter(pk=job_id).exists()
+    assert raw.zcard(k.unrecorded) == 0
+    assert (raw.zscore(k.waiting, job_id) is not None) == (meanwhile == "retried")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_late_row_whose_write_outlasted_a_purge_is_deleted_again(backend, raw, monkeypatch):
+    """The same for the reaper's sweep: it read the failed set before a purge and wrote after."""
+    k = backend.keys("default")
+    with database_gone():
+        job_id = _fail_for_good(backend)
+    _age_unrecorded(raw, k)
+    with database_locked(monkeypatch):
+        sweep, created = in_thread(backend.record_missed_failures)
+        time.sleep(0.5)  # the sweep has read the failed set and waits to write
+        assert backend.purge_failed("default") == 1
+    sweep.join(60)
+    assert created == [0]  # it wrote one, deleted again at once
+    assert not Job.objects.filter(pk=job_id).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_pass_writes_every_missing_row_not_only_a_batch(backend, raw, monkeypatch):
+    monkeypatch.setattr("django_jobs.backends.redis.REAP_BATCH", 2)
+    k = backend.keys("default")
+    with database_gone():
+        ids = {_fail_for_good(backend) for _ in range(5)}
+    _age_unrecorded(raw, k)
+    assert backend.record_missed_failures() == 5
+    assert set(Job.objects.values_list("pk", flat=True)) == ids
+    assert raw.zcard(k.unrecorded) == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_row_its_worker_wrote_before_dying_is_not_counted_as_late(backend, raw):
+    """The worker wrote the row and died before taking the id out: the sweep writes it again
+    (the same row) and counts nothing."""
+    k = backend.keys("default")
+    job_id = _fail_for_good(backend)
+    raw.zadd(k.unrecorded, {job_id: (time.time() - 120) * 1000})
+    assert backend.record_missed_failures() == 0
+    assert raw.zcard(k.unrecorded) == 0
+    assert Job.objects.get(pk=job_id).status == JobStatus.FAILED
+
+
 @pytest.mark.django_db
 def test_purge_failed_forgets_unrecorded_ids_too(backend, raw):
     k = backend.keys("default")
