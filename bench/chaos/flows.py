@@ -28,9 +28,9 @@ Checked at the end (bench/chaos/flowcheck.py), from the start markers and side e
 
 - lost: jobs that did not end as designed (completed with a side effect; failed, for a job
   designed to fail; failed with ``ParentFailed`` and no run, for a job after a failed one). On
-  Redis a job is failed when a queue's failed set holds it; one without its failed ``Job`` row
-  (written after the failed set, so a kill in between loses it) is counted apart:
-  ``failed_rows_missing``;
+  Redis a job is failed when a queue's failed set holds it; its failed ``Job`` row is written
+  after the failed set, so a kill in between leaves it to the reaper's sweep, which the check
+  runs first (``failed_rows_written_late``); a row still missing is ``failed_rows_missing``;
 - order: a chain step or late dependent whose first run began before its parent's completing
   run had finished (its last side effect: with SIGKILL and SIGTERM only, a run that writes its
   side effect after the job was settled cannot exist), or that ran although its parent failed;
@@ -229,13 +229,16 @@ def _analyse(
     effects = effects_by_job()
     event_log = [e.as_dict(origin) for e in events]
     states = ctx.probe.final_states(ids)
-    rows = ctx.probe.failed_rows(ids)
     # On Redis a failure is the broker's failed set; its Job row is written after it, so a kill
-    # in between leaves a failed job without its row: failed, not lost, and counted apart.
+    # in between leaves a failed job without its row until the reaper's sweep writes it: done
+    # now, counted apart. A row still missing after it is a failed job of no record.
+    written_late = ctx.probe.write_missing_rows()
+    rows = ctx.probe.failed_rows(ids)
     kept = ctx.probe.kept_failed_ids(ids)
     states.update(dict.fromkeys(kept, "failed"))
     missing = sorted(kept - set(rows))
     result = check(plan.specs, runs, effects, states, {j: e for j, (_n, e) in rows.items()}, event_log, origin)
+    result["failed_rows_written_late"] = written_late
     result["failed_rows_missing"] = len(missing)
     result["failed_rows_missing_detail"] = [
         {"id": j, "role": plan.specs[j].role, "expected": plan.specs[j].expected, "runs": runs.get(j, [])}

@@ -251,8 +251,8 @@ def _flows_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
             f"**{f['lost']}** of {f['jobs']}" + (f" {f['lost_by_role']}" if f["lost"] else ""),
         ),
         (
-            "flows: failed jobs without their failed `Job` row (Redis: kept in the failed set)",
-            str(f.get("failed_rows_missing", "-")),
+            "flows: failed jobs without their `Job` row: written late by the sweep / missing after it",
+            f"{f.get('failed_rows_written_late', '-')} / {f.get('failed_rows_missing', '-')}",
         ),
         (
             "flows: **started before their parents finished**",

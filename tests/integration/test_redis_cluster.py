@@ -6,6 +6,7 @@ several slots, and scripts a server lost are loaded again mid-pipeline.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -92,6 +93,23 @@ def test_purging_a_queues_failed_set_is_one_slots_transaction(backend):
     assert backend.client.zscore(keys.failed, job_id) is not None
     assert backend.purge_failed("other") == 1
     assert not backend.client.exists(keys.failed, keys.errors, keys.bodies)
+
+
+def test_a_failed_row_left_unwritten_is_written_by_the_sweep_within_its_queues_slot(backend):
+    """``record_missed_failures`` reads a queue's ``unrecorded``, failed set, bodies and errors
+    in one pipeline, and takes the ids out in another: one queue's keys, one slot."""
+    from django_jobs.models import Job
+
+    job_id = send(backend, "emails")
+    lease = backend.fetch("emails")
+    assert lease is not None and lease.token == job_id
+    backend._fail(lease, "RuntimeError: boom", True)  # the script, and no row: its worker died there
+    keys = backend.keys("emails")
+    backend.client.zadd(keys.unrecorded, {job_id: (time.time() - 120) * 1000}, xx=True)
+    assert backend.record_missed_failures() == 1
+    row = Job.objects.get(pk=job_id)
+    assert (row.status, row.queue, row.attempts, row.last_error) == ("failed", "emails", 1, "RuntimeError: boom")
+    assert backend.client.zcard(keys.unrecorded) == 0
 
 
 def test_run_jobs_brings_delayed_jobs_of_several_slots_forward(backend):

@@ -165,6 +165,7 @@ def check_flows(report: dict[str, Any], log: str) -> str:
     # Each callback ran; a second run only ever after a SIGKILL of the worker running it.
     assert flows["callbacks_completed"] == flows["callbacks"] == flows["groups"], details
     assert flows["callbacks_released_twice"] == 0, f"callbacks released twice\n{details}"
+    assert flows["failed_rows_missing"] == 0, f"failed jobs without their row after the sweep\n{details}"
     assert flows["worker_crashes"] == 0, f"worker crashes\n{details}\n{log}"
     assert set(flows["exit_codes_on_sigterm"].values()) == {0} and flows["term_exit_codes"] == [0], flows["terms"]
     assert flows["leases_left"] == 0 and flows["backlog_after"] == 0, flows
@@ -174,7 +175,8 @@ def check_flows(report: dict[str, Any], log: str) -> str:
         f"[chaos --short {report['backend']} flows] lost 0/{flows['jobs']} {flows['jobs_by_role']}; "
         f"{flows['chains_in_order']} chains and {flows['groups_in_order']} groups in order; events {flows['events']}; "
         f"callbacks re-run after a kill {flows['callbacks_rerun_after_kill']}, released twice 0; "
-        f"extra runs {flows['extra_runs_by_cause']}; failed without their Job row {flows['failed_rows_missing']}; "
+        f"extra runs {flows['extra_runs_by_cause']}; failed rows written late by the sweep "
+        f"{flows['failed_rows_written_late']}, missing 0; "
         f"release latency p50 {flows['release_latency_s']['step']['p50']} s"
     )
 
