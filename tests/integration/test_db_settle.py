@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -18,6 +19,7 @@ from django.utils import timezone
 
 from django_jobs.backends.base import Lease, QueueBackend, Requeue
 from django_jobs.models import Job
+from django_jobs.reaper import recover_claims
 from tests.backend_params import (
     ALL_DATABASES,
     BACKEND_PARAMS,
@@ -165,6 +167,31 @@ def test_a_batch_costs_one_statement_and_a_refused_requeue_one_more(backend, cas
     assert statements(backend, lambda: backend.settle_many_and_fetch([], again, "default", 5)) == 1
 
 
+@contextmanager
+def held(alias: str, lock: Callable[[], object]) -> Iterator[threading.Event]:
+    """``lock()`` run in a transaction of another thread, on a connection of its own, and held
+    open until the block ends, or until the event it yields is set."""
+    locked, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        try:
+            with transaction.atomic(using=alias):
+                lock()
+                locked.set()
+                release.wait(30)
+        finally:
+            connections[alias].close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        yield release
+    finally:
+        release.set()
+        holder.join()
+
+
 @pytest.mark.django_db(databases=[*ALL_DATABASES, "postgres_ssb"], transaction=True)
 def test_a_row_another_transaction_holds_does_not_hold_up_the_reaper(backend, case):
     """A worker stopped inside its settle's transaction (SIGSTOP, a paused VM) keeps its rows
@@ -173,20 +200,10 @@ def test_a_row_another_transaction_holds_does_not_hold_up_the_reaper(backend, ca
     gone and reaps the others."""
     if connections[backend.alias].vendor != "postgresql":
         pytest.skip("PostgreSQL: rows locked one by one (SQLite has one writer)")
-    held, other, ahead = claim(backend, case, 3, max_retries=3)
+    held_row, other, ahead = claim(backend, case, 3, max_retries=3)
     jobs = Job.objects.using(backend.alias)
     jobs.update(leased_until=timezone.now() - timedelta(seconds=5), claimed_ahead=0)  # both begun, and
     jobs.filter(pk=ahead.token).update(claimed_ahead=1)  # one still claimed ahead
-    locked, release = threading.Event(), threading.Event()
-
-    def stopped_worker() -> None:
-        try:
-            with transaction.atomic(using=backend.alias):
-                list(jobs.select_for_update().filter(pk__in=[held.token, ahead.token]))
-                locked.set()
-                release.wait(30)
-        finally:
-            connections[backend.alias].close()
 
     def reap() -> None:
         try:
@@ -195,20 +212,39 @@ def test_a_row_another_transaction_holds_does_not_hold_up_the_reaper(backend, ca
             connections[backend.alias].close()
 
     reaped: list[int] = []
-    worker = threading.Thread(target=stopped_worker)
-    worker.start()
-    try:
-        assert locked.wait(10)
+    with held(backend.alias, lambda: list(jobs.select_for_update().filter(pk__in=[held_row.token, ahead.token]))):
         reaper = threading.Thread(target=reap, daemon=True)
         reaper.start()
         reaper.join(10)
         assert not reaper.is_alive(), "the reaper waited for the other transaction"
         assert reaped == [1]
         assert (row(backend, other).status, row(backend, other).attempts) == ("pending", 1)
-        assert row(backend, held).status == row(backend, ahead).status == "in_progress"
-    finally:
-        release.set()
-        worker.join()
+        assert row(backend, held_row).status == row(backend, ahead).status == "in_progress"
     assert backend.reap_expired("default") == 2  # the lock gone: the next pass reaps them
-    assert (row(backend, held).status, row(backend, held).attempts) == ("pending", 1)
+    assert (row(backend, held_row).status, row(backend, held_row).attempts) == ("pending", 1)
     assert (row(backend, ahead).status, row(backend, ahead).attempts) == ("pending", 0)
+
+
+@pytest.mark.django_db(databases=[*ALL_DATABASES, "postgres_ssb"], transaction=True)
+def test_a_dead_workers_acks_outlast_a_transient_database_error(backend, case):
+    """The supervisor acks the successes a dead worker process had not acked. A lock timeout
+    on the first try is tried again, as a worker's own settle is: given up at once, those jobs
+    went to the reaper, handed back as never begun, and ran again uncounted."""
+    if connections[backend.alias].vendor != "postgresql":
+        pytest.skip("PostgreSQL: a lock timeout")
+    batch = claim(backend, case, 3)
+
+    def lock_table() -> None:
+        with connections[backend.alias].cursor() as cursor:
+            cursor.execute(f"LOCK TABLE {Job._meta.db_table} IN SHARE MODE")
+
+    with held(backend.alias, lock_table) as release:
+        with connections[backend.alias].cursor() as cursor:
+            cursor.execute("SET lock_timeout = '100ms'")  # the first try fails; a fresh connection waits
+        threading.Timer(0.5, release.set).start()
+        try:
+            recover_claims(backend, "default", batch[0].owner_token, [], [lease.token for lease in batch])
+        finally:
+            connections[backend.alias].close()  # the SET goes with its session, whatever happened
+    assert [row(backend, lease).status for lease in batch] == ["completed"] * 3
+    assert [row(backend, lease).attempts for lease in batch] == [1, 1, 1]
