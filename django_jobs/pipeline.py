@@ -35,7 +35,7 @@ from django.db import connections
 from django.utils import timezone
 
 from . import conf, coroutines, history, registry, signing
-from .backends.base import Hold, Lease, QueueBackend
+from .backends.base import SETTLE_RETRY_PAUSES, Hold, Lease, QueueBackend, retrying_settle
 from .current import running_job
 from .envelope import Envelope, check_storable, dumps_payload, storable
 from .exceptions import (
@@ -70,9 +70,6 @@ _R = TypeVar("_R")
 # Failures that no retry can fix.
 PERMANENT_ERRORS = (BadSignature, HandlerNotAllowed, InvalidPayload)
 MAX_ERROR_CHARS = 20_000
-# Pauses between tries of a settle that hit a transient backend error (then it gives up).
-# The first retry is at once, on the fresh connection reset_connection() leaves.
-SETTLE_RETRY_PAUSES = (0.0, 1.0, 3.0)
 
 
 class Outcome(StrEnum):
@@ -787,22 +784,18 @@ class DeliveryPipeline:
         _quietly(lambda: self.settle(lease, cancelled), "settle as cancelled a failed run asked to abort")
 
     def retrying(self, action: Callable[_P, _R], pauses: tuple[float, ...], *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        """Settle, retrying a transient backend error a few times within the lease."""
-        for pause in pauses:
-            try:
-                return action(*args, **kwargs)
-            except (LeaseLost, AbortRequested):
-                raise
-            except Exception:
-                lease = next((a for a in args if isinstance(a, Lease)), None)
-                extra = lease_fields(lease) if lease is not None else log_fields(None, None)
-                logger.warning("settle failed; retrying in %gs", pause, exc_info=True, extra=extra)
-                self.metrics.increment("jobs_backend_errors", queue=lease.queue if lease is not None else "*")
-                self.backend.reset_connection()
-                if self.on_backend_error is not None:
-                    self.on_backend_error()
-                time.sleep(pause)
-        return action(*args, **kwargs)
+        """Settle, retrying a transient backend error a few times within the lease
+        (:func:`~django_jobs.backends.base.retrying_settle`)."""
+
+        def failed(error: Exception, pause: float) -> None:
+            lease = next((a for a in args if isinstance(a, Lease)), None)
+            extra = lease_fields(lease) if lease is not None else log_fields(None, None)
+            logger.warning("settle failed; retrying in %gs", pause, exc_info=error, extra=extra)
+            self.metrics.increment("jobs_backend_errors", queue=lease.queue if lease is not None else "*")
+            if self.on_backend_error is not None:
+                self.on_backend_error()
+
+        return retrying_settle(self.backend, lambda: action(*args, **kwargs), failed, pauses)
 
     def _recorded(self, lease: Lease, verdict: Verdict) -> None:
         """After a settle: the result and the attempt history, then the signals."""

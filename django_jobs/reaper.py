@@ -10,13 +10,12 @@ from django.utils import timezone
 
 from . import conf, history, signing
 from .backends import get_backend
-from .backends.base import Lease, QueueBackend
+from .backends.base import Lease, QueueBackend, retrying_settle
 from .envelope import Envelope
 from .exceptions import BadSignature, InvalidPayload, LeaseLost
 from .logfields import log_fields, queues_fields
 from .metrics import MetricsCollector, get_collector
 from .models import AttemptOutcome
-from .pipeline import SETTLE_RETRY_PAUSES
 from .retry import after_lost_run
 from .signals import emit, job_reaped
 
@@ -114,33 +113,22 @@ def recover_claims(
 
 
 def _ack_successes(backend: QueueBackend, queue: str, owner_token: str, tokens: Sequence[str]) -> None:
-    """The acks a dead worker process had not written. A backend error is tried again after
-    each of ``SETTLE_RETRY_PAUSES``, as a worker's own settle is (a lock or statement timeout,
-    a brief outage); one that outlasts them leaves those jobs to the reaper (they run again)."""
+    """The acks a dead worker process had not written, retried on a backend error as a
+    worker's own settle is (a lock or statement timeout, a brief outage); an error that
+    outlasts the retries leaves those jobs to the reaper (they run again)."""
     now = timezone.now()
     leases = [Lease(token=token, owner_token=owner_token, expires_at=now, queue=queue) for token in tokens]
-    for pause in (*SETTLE_RETRY_PAUSES, None):
-        try:
-            lost = backend.ack_many(leases)
-            break
-        except Exception:
-            if pause is None:
-                logger.exception(
-                    "could not ack the %d successful run(s) a dead worker process had not acked; they will run again",
-                    len(leases),
-                    extra=queues_fields([queue]),
-                )
-                return
-            logger.warning(
-                "could not ack the %d successful run(s) a dead worker process had not acked; retrying in %gs",
-                len(leases),
-                pause,
-                exc_info=True,
-                extra=queues_fields([queue]),
-            )
-            get_collector().increment("jobs_backend_errors", queue=queue)
-            backend.reset_connection()
-            time.sleep(pause)
+    what = f"the {len(leases)} successful run(s) a dead worker process had not acked"
+
+    def failed(error: Exception, pause: float) -> None:
+        logger.warning("could not ack %s; retrying in %gs", what, pause, exc_info=error, extra=queues_fields([queue]))
+        get_collector().increment("jobs_backend_errors", queue=queue)
+
+    try:
+        lost = retrying_settle(backend, lambda: backend.ack_many(leases), failed)
+    except Exception:
+        logger.exception("could not ack %s; they will run again", what, extra=queues_fields([queue]))
+        return
     logger.info(
         "acked %d successful run(s) a dead worker process had not acked",
         len(leases) - len(lost),

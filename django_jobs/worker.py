@@ -21,7 +21,7 @@ from typing import Protocol
 
 from . import conf
 from .backends import get_backend
-from .backends.base import Lease, QueueBackend
+from .backends.base import SETTLE_RETRY_PAUSES, Lease, QueueBackend
 from .batches import Batches
 from .exceptions import WorkerInterrupted, summary
 from .heartbeat import Heartbeat
@@ -30,7 +30,6 @@ from .logfields import queues_fields
 from .metrics import MetricsCollector, get_collector
 from .pipeline import (
     INTERRUPTED,
-    SETTLE_RETRY_PAUSES,
     DeliveryPipeline,
     JobContext,
     Outcome,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.utils import timezone
@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 
 # ``Lease.result`` of a run whose value is not kept (``None`` is a value: the job returned it).
 NO_RESULT: Any = object()
+# Pauses between tries of a settle that hit a transient backend error (then it gives up).
+# The first retry is at once, on the fresh connection reset_connection() leaves.
+SETTLE_RETRY_PAUSES = (0.0, 1.0, 3.0)
+
+_R = TypeVar("_R")
 
 
 @dataclass(slots=True)
@@ -596,6 +601,29 @@ def atomic_alias() -> str | None:
         if alias != DEFAULT_DB_ALIAS and connections[alias].in_atomic_block:
             return alias
     return None
+
+
+def retrying_settle(
+    backend: QueueBackend,
+    action: Callable[[], _R],
+    on_error: Callable[[Exception, float], None],
+    pauses: Sequence[float] = SETTLE_RETRY_PAUSES,
+) -> _R:
+    """``action()``, a settle, tried again after each of ``pauses`` when it raises a backend error
+    (a lock or statement timeout, a brief outage): ``on_error(error, pause)`` logs and counts
+    it, then the calling thread's connections are reset.
+    ``LeaseLost`` and ``AbortRequested`` are answers, not errors: they pass through at once, as
+    does the last try's error."""
+    for pause in pauses:
+        try:
+            return action()
+        except (LeaseLost, AbortRequested):
+            raise
+        except Exception as exc:  # noqa: BLE001 - any error of the backend's client; the last try raises it
+            on_error(exc, pause)
+            backend.reset_connection()
+            time.sleep(pause)
+    return action()
 
 
 def decode_lease_body(raw: bytes | str, limit: int | None = None) -> tuple[Envelope | None, InvalidPayload | None]:

@@ -531,32 +531,40 @@ class RedisBackend(LimitedBackend):
         created = 0
         cut = _ms(time.time() - RECORD_GRACE)
         for queue in conf.queues():
-            keys = self.keys(queue)
-            while ids := self.client.zrangebyscore(keys.unrecorded, "-inf", cut, start=0, num=REAP_BATCH):
-                pipe = self.client.pipeline(transaction=False)
-                pipe.zmscore(keys.failed, ids)
-                pipe.hmget(keys.bodies, ids)
-                pipe.hmget(keys.errors, ids)
-                failed, bodies, errors = pipe.execute()
-                needless: list[bytes] = []
-                written: list[tuple[str | bytes, Recorded]] = []
-                for job_id, score, body, error in zip(ids, failed, bodies, errors, strict=True):
-                    env = decode_lease_body(body)[0] if score is not None and body is not None else None
-                    recorded = None if env is None else self.record_failure(env, _text(error), env.attempts, queue)
-                    if env is None:
-                        needless.append(job_id)
-                    elif recorded is None:
-                        break
-                    else:
-                        written.append((job_id, recorded))
-                if needless:
-                    self.client.zrem(keys.unrecorded, *needless)
-                if written:
-                    stale = self._recorded(queue, written)
-                    created += sum(recorded.created and recorded not in stale for _, recorded in written)
-                if len(needless) + len(written) < len(ids):  # a row could not be written
+            unrecorded = self.keys(queue).unrecorded
+            while ids := self.client.zrangebyscore(unrecorded, "-inf", cut, start=0, num=REAP_BATCH):
+                more, complete = self._record_missed(queue, ids)
+                created += more
+                if not complete:
                     return created
         return created
+
+    def _record_missed(self, queue: str, ids: list[bytes]) -> tuple[int, bool]:
+        """One batch of :meth:`record_missed_failures`: the rows created and kept, and whether
+        every id of the batch is done with (``False``: a row could not be written)."""
+        keys = self.keys(queue)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zmscore(keys.failed, ids)
+        pipe.hmget(keys.bodies, ids)
+        pipe.hmget(keys.errors, ids)
+        failed, bodies, errors = pipe.execute()
+        needless: list[bytes] = []
+        written: list[tuple[str | bytes, Recorded]] = []
+        complete = True
+        for job_id, score, body, error in zip(ids, failed, bodies, errors, strict=True):
+            env = decode_lease_body(body)[0] if score is not None and body is not None else None
+            if env is None:
+                needless.append(job_id)
+                continue
+            recorded = self.record_failure(env, _text(error), env.attempts, queue)
+            if recorded is None:
+                complete = False
+                break
+            written.append((job_id, recorded))
+        if needless:
+            self.client.zrem(keys.unrecorded, *needless)
+        stale = self._recorded(queue, written) if written else []
+        return sum(recorded.created and recorded not in stale for _, recorded in written), complete
 
     def peek(self, job_id: str) -> LiveJob | None:
         """Looks in every queue of ``JOBS["QUEUES"]`` (one round trip): a message is live while
