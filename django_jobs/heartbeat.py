@@ -58,6 +58,8 @@ class Heartbeat:
         self.interval = max(lease_seconds / 3, 0.05)
         # Runs after a hard time limit was settled (or gave up): the worker ends its process.
         self.on_hard_timeout = on_hard_timeout
+        # Runs when a beat could not reach the backend (the worker's reaper then holds off).
+        self.on_backend_error: Callable[[], None] | None = None
         # The condition's own lock, taken directly where nothing is notified (the per-job
         # writes): the same exclusion without the condition's Python-level enter and exit.
         self._lock = threading.RLock()
@@ -247,6 +249,8 @@ class Heartbeat:
             except Exception:
                 self._reset_connections()
                 if last_try:
+                    if self.on_backend_error is not None:
+                        self.on_backend_error()
                     logger.warning(
                         "job %s: heartbeat failed; retrying in %gs",
                         lease.token,

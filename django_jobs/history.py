@@ -85,10 +85,7 @@ def record_many(attempts: list[dict[str, Any]], using: str | None = None) -> Non
         db = using or router.db_for_write(JobAttempt)
         # A record of what happened, not queue state: on PostgreSQL it commits without waiting
         # for the disk (a database crash may lose its last moments, never a job).
-        if len(attempts) == 1:
-            rows.insert(connections[db], JobAttempt, attempts[0], async_commit=True)
-        else:
-            rows.insert_many(connections[db], JobAttempt, attempts, async_commit=True)
+        rows.insert_many(connections[db], JobAttempt, attempts, async_commit=True)
         for row in attempts:
             if row["attempt"] > limit:  # rare: a short history costs no extra statement
                 JobAttempt.objects.using(db).filter(job_id=row["job_id"], attempt__lte=row["attempt"] - limit).delete()

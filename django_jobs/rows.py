@@ -60,19 +60,10 @@ def insert(
     fixed: Mapping[str, Any] = NOTHING,
 ) -> None:
     """INSERT one row of ``model`` from ``values`` (by attribute name; every concrete field but
-    an auto primary key), prepared by each field as the ORM would.
+    an auto primary key), prepared by each field as the ORM would: :func:`insert_many` of one.
     ``fixed``: more columns, written into the statement as constants (see :func:`literal`).
     ``async_commit``: without waiting for the disk where :func:`commits_async` allows it."""
-    key = (connection.alias, model._meta.label, tuple(values), tuple(fixed.items()))
-    if key not in _INSERTS:  # worked out once: a dispatch and a history row each send one
-        fields = [f for f in model._meta.concrete_fields if f.attname in values]
-        row = ", ".join(["%s"] * len(fields) + [literal(value) for value in fixed.values()])
-        _INSERTS[key] = (f"{_head(connection, model, fields, fixed)} VALUES ({row})", _typed(fields))
-    sql, columns = _INSERTS[key]
-    if async_commit and commits_async(connection):
-        sql += ASYNC_COMMIT
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [_prepare(f, kind, values[f.attname], connection) for f, kind in columns])
+    insert_many(connection, model, [values], async_commit=async_commit, fixed=fixed)
 
 
 def insert_many(
@@ -86,33 +77,77 @@ def insert_many(
     """INSERT rows of ``model``, each from a dict as :func:`insert` takes it (all with the same
     attribute names, and the same ``fixed``), with a bounded number of parameters per statement
     whatever their number: on PostgreSQL :data:`ROWS_PER_STATEMENT` rows at a time, in one JSON
-    text (:func:`_json_insert`); elsewhere the one-row INSERT run for each (the driver batches
+    text (:class:`_Insert`); elsewhere the one-row INSERT run for each (the driver batches
     it: MySQL's into multi-row INSERTs, SQLite's in one call). ``async_commit``: as
     :func:`insert` takes it."""
     if not values:
         return
-    fields = [f for f in model._meta.concrete_fields if f.attname in values[0]]
-    head = _head(connection, model, fields, fixed)
-    literals = [literal(value) for value in fixed.values()]
+    statement = _Insert.of(connection, model, tuple(values[0]), fixed)
     with connection.cursor() as cursor:
-        if connection.vendor != "postgresql":
-            row = f"({', '.join(['%s'] * len(fields) + literals)})"
-            columns = _typed(fields)
-            rows = [[_prepare(f, kind, one[f.attname], connection) for f, kind in columns] for one in values]
-            cursor.executemany(f"{head} VALUES {row}", rows)
+        if not statement.as_json:
+            prepared = [statement.parameters(one, connection) for one in values]
+            if len(prepared) == 1:
+                cursor.execute(statement.sql, prepared[0])
+            else:
+                cursor.executemany(statement.sql, prepared)
             return
         tail = ASYNC_COMMIT if async_commit and commits_async(connection) else ""
         for batch in chunked(values, ROWS_PER_STATEMENT):
-            sql, rows = _json_insert(head, fields, literals, batch, connection)
-            for text in _json_texts(rows):
-                cursor.execute(sql + tail, [text])
+            for text in _json_texts(statement.json_rows(batch, connection)):
+                cursor.execute(statement.sql + tail, [text])
 
 
-def _head(connection: Any, model: type[models.Model], fields: list[Any], fixed: Mapping[str, Any]) -> str:
-    """``INSERT INTO table (columns)``: those of ``fields``, then those of ``fixed``."""
-    quote = connection.ops.quote_name
-    columns = [quote(f.column) for f in fields] + [quote(model._meta.get_field(name).column) for name in fixed]
-    return f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(columns)})"
+class _Insert:
+    """The INSERT of rows of one model with the same columns, worked out once per database,
+    model, columns and ``fixed`` constants (a dispatch and a history row each send one). On
+    PostgreSQL the rows go as one JSON array of arrays, its one parameter (:func:`_json_texts`),
+    read back with a cast per column: the driver quotes one text, where it quoted each value
+    in Python; a JSON ``null`` is ``NULL``. Elsewhere, one parameter per column."""
+
+    def __init__(self, connection: Any, model: type[models.Model], names: tuple[str, ...], fixed: Mapping[str, Any]):
+        fields = [f for f in model._meta.concrete_fields if f.attname in names]
+        quote = connection.ops.quote_name
+        columns = [quote(f.column) for f in fields] + [quote(model._meta.get_field(name).column) for name in fixed]
+        head = f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(columns)})"
+        literals = [literal(value) for value in fixed.values()]
+        # Each field with the Python type whose values it stores unchanged, and whether it is JSON.
+        self.columns = [(f, _plain_type(f), isinstance(f, models.JSONField)) for f in fields]
+        self.as_json = connection.vendor == "postgresql"
+        if self.as_json:
+            # The type without its length (varchar, not varchar(64)), as Django's bulk_create.
+            selected = [
+                f"NULLIF(r->{index}, 'null')" if as_json else f"(r->>{index})::{f.db_type(connection).split('(')[0]}"
+                for index, (f, _, as_json) in enumerate(self.columns)
+            ]
+            self.sql = f"{head} SELECT {', '.join(selected + literals)} FROM jsonb_array_elements(%s::jsonb) AS r"
+        else:
+            self.sql = f"{head} VALUES ({', '.join(['%s'] * len(fields) + literals)})"
+
+    @classmethod
+    def of(
+        cls, connection: Any, model: type[models.Model], names: tuple[str, ...], fixed: Mapping[str, Any]
+    ) -> _Insert:
+        key = (connection.alias, connection.vendor, model._meta.label, names, tuple(fixed.items()))
+        if key not in _INSERTS:
+            _INSERTS[key] = cls(connection, model, names, fixed)
+        return _INSERTS[key]
+
+    def parameters(self, values: Mapping[str, Any], connection: Any) -> list[Any]:
+        """One row's parameters, each prepared by its field (:func:`_prepare`)."""
+        return [_prepare(f, kind, values[f.attname], connection) for f, kind, _ in self.columns]
+
+    def json_rows(self, batch: Sequence[Mapping[str, Any]], connection: Any) -> list[list[Any]]:
+        """The rows of ``batch`` as the JSON text holds them: a date as ISO 8601 text, a JSON
+        column's value as JSON, a plain value as it is."""
+        return [
+            [
+                value
+                if (value := one[f.attname]) is None or as_json or type(value) is kind
+                else _json_value(f, value, connection)
+                for f, kind, as_json in self.columns
+            ]
+            for one in batch
+        ]
 
 
 def literal(value: Any) -> str:
@@ -125,36 +160,6 @@ def literal(value: Any) -> str:
     if isinstance(value, str) and _WORD.fullmatch(value):
         return f"'{value}'"
     raise ValueError(f"{value!r} is not written as an SQL constant; pass it as a parameter")
-
-
-def _json_insert(
-    head: str, fields: list[Any], literals: list[str], batch: Sequence[dict[str, Any]], connection: Any
-) -> tuple[str, list[list[Any]]]:
-    """PostgreSQL's INSERT of rows sent as one JSON array of arrays (its one parameter, see
-    :func:`_json_texts`), read back with a cast per column, then the ``literals``; and the rows
-    of ``batch``, each value prepared by its field (a date as ISO 8601 text, a JSON column's
-    value as JSON). The driver quotes one text, where it quoted every element of an array per
-    column in Python; a JSON ``null`` is ``NULL``."""
-    selected: list[str] = []
-    columns: list[tuple[Any, type | None, bool]] = []  # a value goes as it is when None, of this type, or JSON
-    for index, (f, kind) in enumerate(_typed(fields)):
-        as_json = isinstance(f, models.JSONField)
-        # The type without its length (varchar, not varchar(64)), as Django's bulk_create.
-        selected.append(
-            f"NULLIF(r->{index}, 'null')" if as_json else f"(r->>{index})::{f.db_type(connection).split('(')[0]}"
-        )
-        columns.append((f, kind, as_json))
-    rows = [
-        [
-            value
-            if (value := one[f.attname]) is None or as_json or type(value) is kind
-            else _json_value(f, value, connection)
-            for f, kind, as_json in columns
-        ]
-        for one in batch
-    ]
-    sql = f"{head} SELECT {', '.join(selected + literals)} FROM jsonb_array_elements(%s::jsonb) AS r"
-    return sql, rows
 
 
 def _json_texts(rows: list[list[Any]]) -> Iterator[str]:
@@ -171,16 +176,11 @@ def _json_texts(rows: list[list[Any]]) -> Iterator[str]:
 
 
 def _json_value(field: Any, value: Any, connection: Any) -> Any:
-    """``value`` of ``field`` prepared as the ORM would, as :func:`_json_insert` writes it."""
+    """``value`` of ``field`` prepared as the ORM would, as :meth:`_Insert.json_rows` writes it."""
     if type(value) is datetime and value.utcoffset() is not None and isinstance(field, models.DateTimeField):
         return value.isoformat()  # PostgreSQL takes an aware datetime as it is, whatever USE_TZ
     value = field.get_db_prep_save(value, connection)
     return value.isoformat() if isinstance(value, datetime) else value
-
-
-def _typed(fields: list[Any]) -> list[tuple[Any, type | None]]:
-    """Each field with its plain type (:func:`_plain_type`), looked up once per statement."""
-    return [(f, _plain_type(f)) for f in fields]
 
 
 def _prepare(field: Any, kind: type | None, value: Any, connection: Any) -> Any:
@@ -206,7 +206,7 @@ _STORED_AS_IS: tuple[tuple[tuple[type, ...], type], ...] = (
     ((models.BooleanField,), bool),
     ((models.FloatField,), float),
 )
-# The rows of a PostgreSQL INSERT of several (:func:`_json_insert`): a float as the job table's
+# The rows of a PostgreSQL INSERT (:class:`_Insert`): a float as the job table's
 # JSON columns keep it, so as every float column does.
 _ROWS = FloatKeepingEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 # Each field's plain type, worked out once.
@@ -233,8 +233,5 @@ def chunked(values: Sequence[T], size: int = IDS_PER_STATEMENT) -> Iterator[Sequ
         yield values[start : start + size]
 
 
-# (database alias, model, attribute names, fixed columns) -> the INSERT statement and its
-# fields, in order.
-_INSERTS: dict[
-    tuple[str, str, tuple[str, ...], tuple[tuple[str, Any], ...]], tuple[str, list[tuple[Any, type | None]]]
-] = {}
+# (database alias, vendor, model, attribute names, fixed columns) -> its INSERT.
+_INSERTS: dict[tuple[str, str, str, tuple[str, ...], tuple[tuple[str, Any], ...]], _Insert] = {}

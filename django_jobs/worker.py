@@ -262,7 +262,8 @@ class QueueWorker:
         reaper = Reaper(self.backend, self.queues) if reap else None
         if reaper is not None:
             reaper.metrics = self.metrics
-            self.pipeline.on_backend_error = reaper.backend_failed
+            # A settle or a beat that cannot reach the backend holds this process's reaping off.
+            self.pipeline.on_backend_error = self.heartbeat.on_backend_error = reaper.backend_failed
         next_reap = time.monotonic() + (0 if reap_at_start else self.lease_seconds) if reaper else math.inf
         outages, reached, self.unreachable = 0, False, None
         self.batching = self.prefetch > 1 and self.backend.can_prefetch()
@@ -313,7 +314,7 @@ class QueueWorker:
             self.pipeline.ack = self.backend.ack
             self.pipeline.on_start = None
             self.pipeline.requeue_later = None
-            self.pipeline.on_backend_error = None
+            self.pipeline.on_backend_error = self.heartbeat.on_backend_error = None
             self.batches.finish()  # the rows it keeps, then its acks and requeues
             self.pipeline.record = self.pipeline.record_now
             self.batches.tickets = self.batches.supervisor = None

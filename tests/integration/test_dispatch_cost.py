@@ -116,7 +116,8 @@ def test_a_bulk_too_large_for_one_statement_is_split(database_backend, monkeypat
 
 
 # Values whose text form a driver must quote or a JSON column may rewrite: each is written by a
-# bulk (PostgreSQL: one JSON text for the rows) exactly as by one dispatch (a parameter each).
+# bulk exactly as by one dispatch (on PostgreSQL both send their rows as one JSON text; elsewhere
+# a parameter per value), and as they were given.
 AWKWARD = [
     {"quote": 'it\'s "so"', "slash": "back\\slash", "braces": "{a,b} (c) [d]", "null": "NULL", "empty": ""},
     {"floats": [1e20, 0.5, 1.5e300, 2.0], "ints": [0, -1, 2**53], "none": None, "bool": [True, False]},
@@ -133,9 +134,10 @@ def _stored(alias: str, job_id: str) -> dict[str, Any]:
 
 
 def test_a_bulk_writes_each_row_as_one_dispatch_does(database_backend):
-    """What a bulk writes (on PostgreSQL one JSON text for its rows) is what one dispatch writes
-    (a parameter per value), for values a driver must quote and floats a JSON column may
-    rewrite; and each job runs, its signature verified, with the payload it was given."""
+    """What a bulk writes is what one dispatch writes, and what each was given, for values a
+    driver must quote and floats a JSON column may rewrite (on PostgreSQL both send their rows as
+    one JSON text, read back with a cast per column); and each job runs, its signature verified,
+    with the payload it was given."""
     case, backend = database_backend
     at = timezone.now().replace(microsecond=123456) + timedelta(days=1)
     options: list[dict[str, Any]] = [
@@ -154,7 +156,17 @@ def test_a_bulk_writes_each_row_as_one_dispatch_does(database_backend):
         if expected["idempotency_key"]:
             expected["idempotency_key"] = expected["idempotency_key"].removesuffix("-single")
         assert repr(got) == repr(expected)  # a float stays a float, not an equal int
-        assert got["payload"]["kwargs"] == {"key": None, "db": case.side_effect_db, **AWKWARD[bulked.index(other)]}
+        index = bulked.index(other)
+        assert got["payload"]["kwargs"] == {"key": None, "db": case.side_effect_db, **AWKWARD[index]}
+        given = options[index]
+        assert (got["priority"], got["timeout"], got["name"], got["max_retries"], got["queue"]) == (
+            given.get("priority", 0),
+            given.get("timeout"),
+            given.get("name", got["handler"]),
+            given.get("max_retries", 0),
+            given.get("queue", "default"),
+        )
+        assert got["available_at"] == at and got["idempotency_key"] == given.get("idempotency_key")
     Job.objects.using(backend.alias).filter(pk__in=single + bulked).update(available_at=timezone.now())
     worker = QueueWorker(case.name, ["default", "emails"], prefetch=1)
     assert sorted(worker.process_once(queue).status for queue in ["default"] * 4 + ["emails"] * 2) == ["acked"] * 6

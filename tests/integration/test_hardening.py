@@ -189,3 +189,35 @@ def test_the_reaper_holds_back_for_a_lease_after_a_backend_error():
     time.sleep(0.35)
     assert reaper.reap_once() == 1
     assert Job.objects.get(pk=job_id).last_error.startswith("WorkerLost")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_whose_beats_failed_holds_its_reaping_back(monkeypatch):
+    """A worker that ran a long job through an outage saw the backend only through its
+    heartbeat's failed beats. Once its job ended, its reaper found another worker's lease that
+    expired in the same outage (that worker's beats failed too, and its next one was due) and
+    reaped it: a live job ran again, or was failed as lost (a chaos run's database restart behind
+    PgBouncer). A failed beat holds reaping back for a lease timeout, as a failed settle does."""
+    from datetime import timedelta
+
+    from django.db import OperationalError
+    from django.utils import timezone
+
+    other = scripted.dispatch(action="ok")
+    worker = QueueWorker("default", ["default"], prefetch=1)
+    worker.lease_seconds = worker.heartbeat.lease_seconds = 0.6
+    worker.heartbeat.interval = 0.1
+
+    def unreachable(lease: Lease, seconds: float) -> None:
+        raise OperationalError("server login has been failing, try again later")
+
+    monkeypatch.setattr(worker.backend, "extend", unreachable)
+    # The other worker's job: claimed, its lease expired during the outage.
+    Job.objects.filter(pk=other).update(
+        status="in_progress", owner_token="alive", leased_until=timezone.now() + timedelta(seconds=0.2)
+    )
+    scripted.dispatch(action="sleep", seconds=1.0)
+    scripted.dispatch(action="ok")
+    assert worker.run(max_jobs=2, reap_at_start=False) == 2  # its reap was due after the long job
+    row = Job.objects.get(pk=other)
+    assert (row.status, row.owner_token, row.last_error) == ("in_progress", "alive", "")
