@@ -30,7 +30,9 @@ class Reaper:
     After the backend was unreachable, leases that expired during the outage may belong to live
     workers whose heartbeats could not get through either: for one lease timeout after the last
     backend error this reaper reaps nothing, so those workers' next beats reach the backend
-    first. (A crashed worker's job is recovered one lease timeout later than otherwise.)
+    first. (A crashed worker's job is recovered one lease timeout later than otherwise.) During
+    an outage a process tries again at least every :func:`outage_pause`, so its last error comes
+    shortly before the backend returns and the hold-back outlasts the outage's end.
     """
 
     def __init__(self, backend: QueueBackend | str | None = None, queues: Sequence[str] = ()) -> None:
@@ -85,9 +87,20 @@ class Reaper:
                 logger.exception("reaper: backend error", extra=queues_fields(self.queues))
                 self.backend_failed()
                 self.backend.close()
-            end = time.monotonic() + interval
+                end = time.monotonic() + outage_pause(interval, self.grace)
+            else:
+                end = time.monotonic() + interval
             while not should_stop() and time.monotonic() < end:
                 time.sleep(max(min(0.1, end - time.monotonic()), 0))
+
+
+def outage_pause(pause: float, lease_seconds: float) -> float:
+    """How long a process that met a backend error waits before it tries again: ``pause``, but
+    at most a third of the lease timeout. Its reaper holds off for a lease timeout after its last
+    error, so it still holds off for two thirds of one after the backend returns: the live
+    workers' beats (due every third) get through first, where a try a whole lease timeout after
+    the last error would reap their leases the moment the backend came back."""
+    return min(pause, lease_seconds / 3)
 
 
 def recover_claims(

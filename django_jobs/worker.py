@@ -36,7 +36,7 @@ from .pipeline import (
     WorkerResult,
     format_error,
 )
-from .reaper import Reaper
+from .reaper import Reaper, outage_pause
 from .timeouts import attempt_running, install_alarm_handler
 
 __all__ = ["JobContext", "Outcome", "QueueWorker", "WorkerResult", "format_error"]
@@ -367,7 +367,7 @@ class QueueWorker:
 
     def _outage(self, exc: Exception, failures: int, deadline: float | None) -> None:
         """The backend is unreachable: keep the worker alive, reconnect and back off."""
-        pause = min(2.0 ** (failures - 1), MAX_OUTAGE_PAUSE)
+        pause = outage_pause(min(2.0 ** (failures - 1), MAX_OUTAGE_PAUSE), self.lease_seconds)
         self._log_outage(exc, pause)
         self.backend.close()
         self.backend.reset_connection()

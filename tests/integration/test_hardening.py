@@ -221,3 +221,71 @@ def test_a_worker_whose_beats_failed_holds_its_reaping_back(monkeypatch):
     assert worker.run(max_jobs=2, reap_at_start=False) == 2  # its reap was due after the long job
     row = Job.objects.get(pk=other)
     assert (row.status, row.owner_token, row.last_error) == ("in_progress", "alive", "")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_jobs_reap_loop_still_holds_back_when_the_backend_returns_just_before_its_next_pass(monkeypatch):
+    """The hold-back counts from the last error. ``jobs_reap --loop`` with an interval longer
+    than the lease timeout failed once, its hold-back ran out during the outage, and its next
+    pass came just after the backend returned: it reaped the live workers' leases before their
+    next beats got through (a red team, 8 of 9 live jobs failed ``WorkerLost``). During an
+    outage it now tries again every third of a lease timeout, so its hold-back outlasts the
+    outage's end."""
+    from datetime import timedelta
+
+    from django.db import OperationalError
+    from django.utils import timezone
+
+    from django_jobs.reaper import Reaper
+
+    alive = scripted.dispatch(action="ok")
+    Job.objects.filter(pk=alive).update(
+        status="in_progress", owner_token="alive", leased_until=timezone.now() - timedelta(seconds=1)
+    )
+    reaper = Reaper("default")
+    reaper.grace = 1.5  # LEASE_TIMEOUT
+    start = time.monotonic()
+    back_at, beat_at, stop_at = start + 2.3, start + 2.9, start + 3.3
+    real = reaper.backend.reap_expired
+
+    def reap_expired(queue: str | None = None) -> int:
+        if time.monotonic() < back_at:
+            raise OperationalError("the database is down")
+        return real(queue)
+
+    monkeypatch.setattr(reaper.backend, "reap_expired", reap_expired)
+    thread = threading.Thread(
+        target=reaper.run, args=(2.5,), kwargs={"should_stop": lambda: time.monotonic() > stop_at}
+    )
+    thread.start()
+    # The live holder's beat gets through a little after the backend is back.
+    while time.monotonic() < beat_at:
+        time.sleep(0.02)
+    extended = Job.objects.filter(pk=alive, owner_token="alive", status="in_progress").update(
+        leased_until=timezone.now() + timedelta(seconds=30)
+    )
+    thread.join(10)
+    assert extended == 1, "the live worker's lease was reaped before its beat got through"
+    row = Job.objects.get(pk=alive)
+    assert (row.status, row.owner_token, row.last_error) == ("in_progress", "alive", "")
+
+
+def test_an_idle_worker_in_an_outage_tries_again_within_a_third_of_its_lease(monkeypatch):
+    """An idle worker backs off 1, 2, 4 ... s during an outage; past a third of its lease
+    timeout, its hold-back (a lease timeout from its last error) could run out before the
+    backend returned, and its first try after reaped live leases (a red team, with
+    ``LEASE_TIMEOUT`` 3 s: 4 of 4 live jobs failed ``WorkerLost``)."""
+    worker = QueueWorker("default", ["default"], prefetch=1)
+    worker.lease_seconds = 3.0
+    pauses: list[float] = []
+    monkeypatch.setattr(worker, "_sleep", lambda pause, deadline: pauses.append(pause))
+    monkeypatch.setattr(worker.backend, "reset_connection", lambda: None)
+    monkeypatch.setattr(worker.backend, "close", lambda: None)
+    for failures in range(1, 8):
+        worker._outage(ConnectionError("down"), failures, None)
+    assert pauses == [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    worker.lease_seconds = 300.0
+    pauses.clear()
+    for failures in range(1, 8):
+        worker._outage(ConnectionError("down"), failures, None)
+    assert pauses == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
