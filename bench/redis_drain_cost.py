@@ -118,7 +118,7 @@ def measure(args: argparse.Namespace) -> None:
     from bench import redis_drain_jobs
     from django_jobs.backends import get_backend
     from django_jobs.models import JobAttempt
-    from django_jobs.pool import CLAIMS_BYTES, Recorder
+    from django_jobs.pool import ACKS_BYTES, CLAIMS_BYTES, Recorder, Shared
     from django_jobs.worker import QueueWorker
 
     backend = get_backend()
@@ -136,7 +136,9 @@ def measure(args: argparse.Namespace) -> None:
             profile.enable()
         worker = QueueWorker(backend)
         if args.supervised:
-            worker.supervisor = Recorder(multiprocessing.get_context("fork").Array("c", CLAIMS_BYTES, lock=False))
+            context = multiprocessing.get_context("fork")
+            shared = Shared(context.Array("c", CLAIMS_BYTES, lock=False), context.Array("c", ACKS_BYTES, lock=False))
+            worker.supervisor = Recorder(shared)
         done = worker.run(max_jobs=deliveries, reap=False)
         if profile is not None:
             profile.disable()
