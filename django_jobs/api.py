@@ -33,6 +33,7 @@ from .backends import get_backend
 from .backends.base import QueueBackend
 from .envelope import (
     MESSAGE_PARENTS,
+    RETRY_ROOM,
     Envelope,
     PayloadProblem,
     a_type,
@@ -157,11 +158,12 @@ class JobBuilder:
 
     def max_retries(self, value: int) -> JobBuilder:
         """Retries after the first run: total runs = ``value + 1``."""
+        _check_int("max_retries", value)
         if value < 0:
             raise ValueError("max_retries must not be negative")
         if value > INT_MAX:
             raise ValueError(f"max_retries must be at most {INT_MAX} (what every backend's record holds), not {value}")
-        return self._set(max_retries=int(value))
+        return self._set(max_retries=value)
 
     def timeout(self, seconds: float | None) -> JobBuilder:
         """Seconds one attempt may run (``None``: the worker's ``DEFAULT_TIMEOUT``; 0: no limit)."""
@@ -319,13 +321,18 @@ class JobBuilder:
             unlisted_parents=[] if "parents" in options else parents,
         )
         env.signature = signing.sign(env)
-        # The cap a worker applies to the whole encoded message: refuse here what it would reject
-        # (encoded only when a bound of its size, known without encoding, does not fit).
+        # The cap a worker applies to the whole encoded message: refuse here what it would reject,
+        # on this delivery or a retry's (encoded only when a bound of its size, known without
+        # encoding, does not fit).
+        room = defaults.max_bytes - RETRY_ROOM
         bound = env.size_at_most(len(text))
-        if bound is None or bound > defaults.max_bytes:
+        if bound is None or bound > room:
             size = len(env.to_bytes())
-            if size > defaults.max_bytes:
-                raise InvalidPayload(f"message of {size} bytes exceeds JOBS['MAX_MESSAGE_BYTES']")
+            if size > room:
+                raise InvalidPayload(
+                    f"message of {size} bytes exceeds JOBS['MAX_MESSAGE_BYTES'] ({defaults.max_bytes}) "
+                    f"less the {RETRY_ROOM} bytes kept for what a retry adds"
+                )
         return env
 
     def _encoded(self) -> str:
@@ -409,14 +416,20 @@ def _delay_seconds(delay: float | timedelta) -> float:
 # What the Job table's integer columns hold on every database (a signed 32-bit int): a broker's
 # record of a job (a failure, a kept result) must fit there too.
 INT_MAX = 2**31 - 1
-# The Job table's name column holds this many characters.
-NAME_MAX_LENGTH = 255
+# The Job table's name and handler columns hold this many characters.
+NAME_MAX_LENGTH = HANDLER_MAX_LENGTH = 255
+
+
+def _check_int(option: str, value: object) -> int:
+    """An int option: ``True`` is not one, nor is ``1.5`` (a record would keep ``1``)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{option} must be an int, not {type(value).__name__}")
+    return value
 
 
 def _check_priority(value: object) -> int:
-    """A ``priority`` option: an int (``True`` is not a priority) that a record can hold."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"priority must be an int, not {type(value).__name__}")
+    """A ``priority`` option: an int that a record can hold."""
+    value = _check_int("priority", value)
     if not -INT_MAX - 1 <= value <= INT_MAX:
         raise ValueError(f"priority must be between {-INT_MAX - 1} and {INT_MAX}, not {value}")
     return value
@@ -573,6 +586,9 @@ class Jobs:
         """Start defining a job for ``handler`` (a ``JOBS["HANDLERS"]`` key or ``@job`` path).
 
         ``payload`` is any JSON value; none (``None``) is sent as an empty object, ``{}``."""
+        if not isinstance(handler, str) or not handler:
+            raise TypeError(f"handler must be a non-empty str, not {handler!r}")
+        _check_text("handler", handler, HANDLER_MAX_LENGTH)
         return JobBuilder(handler, payload)
 
     @staticmethod

@@ -271,6 +271,10 @@ _WIRE = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 # More than what ``to_bytes`` writes besides the payload and the text fields: every field's name
 # and punctuation (about 170 bytes) and the numbers (each at most 25 characters).
 _WIRE_FIXED = 512
+# More than what a retry adds to the encoded message (the brokers carry it again): ``attempts``
+# grows to at most 10 digits and ``available_at`` from ``null`` to a float of at most 24
+# characters. A dispatch keeps this room below the size cap, so no retry outgrows it.
+RETRY_ROOM = 64
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "id": (str,),

@@ -79,17 +79,26 @@ class Reaper:
         return total
 
     def run(self, interval: float, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """Reap every ``interval`` seconds until ``should_stop()``."""
+        """Reap every ``interval`` seconds until ``should_stop()``. While it holds back after a
+        backend error it only probes the backend (:meth:`~QueueBackend.ping`), at least every
+        :func:`outage_pause`: each error it meets moves the hold-back's end, so reaping resumes
+        two thirds of a lease timeout after the backend returned at the earliest, however long
+        the outage and whatever ``interval``."""
         while not should_stop():
             try:
-                self.reap_once()
+                held_back = self._quiet_until - time.monotonic()
+                if held_back > 0:
+                    self.backend.ping()
+                    pause = min(outage_pause(interval, self.grace), held_back)
+                else:
+                    self.reap_once()
+                    pause = interval
             except Exception:
                 logger.exception("reaper: backend error", extra=queues_fields(self.queues))
                 self.backend_failed()
                 self.backend.close()
-                end = time.monotonic() + outage_pause(interval, self.grace)
-            else:
-                end = time.monotonic() + interval
+                pause = outage_pause(interval, self.grace)
+            end = time.monotonic() + pause
             while not should_stop() and time.monotonic() < end:
                 time.sleep(max(min(0.1, end - time.monotonic()), 0))
 

@@ -41,7 +41,13 @@ SIGNED_FIELDS = (
 _signed_values = attrgetter(*SIGNED_FIELDS)
 
 
-def _normal(value: Any) -> Any:
+# How deep a signed field (the payload: its arguments list and keyword dict, then each argument's
+# lists and dicts) may nest. A fixed cap, far below the interpreter's recursion limit: what a
+# dispatch signs, a worker verifies whatever the depth of either one's own calls.
+MAX_DEPTH = 200
+
+
+def _normal(value: Any, depth: int = 0) -> Any:
     if type(value) in _PLAIN:  # most fields: nothing to normalise
         return value
     # Storage may turn 1.0 into 1 or 1e16 into 10000000000000000 (PostgreSQL jsonb, a
@@ -49,10 +55,12 @@ def _normal(value: Any) -> Any:
     if isinstance(value, float):
         # Through the decimal text, as the database keeps it: int(1e23) would be 99999999999999991611392.
         return int(Decimal(repr(value))) if value.is_integer() else value
+    if isinstance(value, (dict, list, tuple)) and depth >= MAX_DEPTH:
+        raise ValueError(f"lists and dicts nested more than {MAX_DEPTH} deep")
     if isinstance(value, dict):
-        return {k: _normal(v) for k, v in value.items()}
+        return {k: _normal(v, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):  # JSON carries a tuple as a list: signed as one
-        return [_normal(v) for v in value]
+        return [_normal(v, depth + 1) for v in value]
     return value
 
 

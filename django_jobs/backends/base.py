@@ -338,6 +338,11 @@ class QueueBackend(ABC):
     def reap_expired(self, queue: str | None = None) -> int:
         """Recover expired leases (``None`` = every queue); return how many."""
 
+    def ping(self) -> None:
+        """One cheap round trip that changes nothing; raises while the backend is unreachable.
+        A reaper holding back after an outage probes with it. Backends whose broker expires
+        leases by itself reap nothing, so they have nothing to probe."""
+
     @abstractmethod
     def size(self, queue: str) -> int:
         """Messages not yet settled: ready + delayed + leased."""

@@ -746,6 +746,10 @@ class DatabaseBackend(LimitedBackend):
         _, row = self._execute(f"SELECT abort_requested FROM {TABLE} WHERE id = %s", [lease.token])
         return None if row is None else cast("str | None", row[0])
 
+    def ping(self) -> None:
+        with self._conn.cursor() as cursor:
+            cursor.execute("SELECT 1")
+
     def reap_expired(self, queue: str | None = None) -> int:
         """Each expired lease counts as a failed run: requeued with backoff, or failed.
 

@@ -843,6 +843,9 @@ class RedisBackend(LimitedBackend):
         }
         return self._link([edge for edge in edges if edge[0] in blocked])
 
+    def ping(self) -> None:
+        self.client.ping()
+
     def reap_expired(self, queue: str | None = None) -> int:
         """Each expired lease counts as a failed run: requeued with backoff, or failed. One
         claimed ahead and never begun goes back to waiting as it was, not counted as a run."""

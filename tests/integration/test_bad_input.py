@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 import pytest
 from django.db import connections, transaction
 
-from django_jobs import Jobs
+from django_jobs import Jobs, signing
 from django_jobs.exceptions import BackendUnavailable, InvalidPayload
 from django_jobs.models import Job
 from django_jobs.worker import QueueWorker
@@ -29,7 +29,7 @@ from tests.api_support import (
     row,
     runs,
 )
-from tests.testapp.jobs import scripted
+from tests.testapp.jobs import calls, remember, scripted
 
 pytestmark = [pytest.mark.django_db(databases=["default", "postgres"]), pytest.mark.usefixtures("clean_state")]
 
@@ -310,6 +310,31 @@ def test_an_option_no_record_could_hold_is_refused_at_dispatch(option, value, me
         scripted.using(backend="redis", **{option: value}).dispatch(action="ok")
 
 
+@pytest.mark.parametrize("value", [1.5, True, "2"])
+def test_max_retries_that_is_not_an_int_is_refused(value):
+    """``max_retries(1.5)`` and ``max_retries(True)`` were taken and stored as 1 (a red team)."""
+    with pytest.raises(TypeError, match=f"max_retries must be an int, not {type(value).__name__}"):
+        scripted.using(max_retries=value).dispatch(action="ok")
+    with pytest.raises(TypeError, match="max_retries must be an int"):
+        Jobs.define(scripted.key).max_retries(value)
+    assert Job.objects.count() == 0
+
+
+@pytest.mark.parametrize(
+    ("handler", "error", "message"),
+    [
+        ("h" * 256, ValueError, "handler of 256 characters is too long: at most 255"),
+        ("a\x00b", ValueError, "handler contains U+0000"),
+        ("", TypeError, "handler must be a non-empty str"),
+        (None, TypeError, "handler must be a non-empty str"),
+    ],
+)
+def test_a_handler_key_no_record_could_hold_is_refused_at_define(handler, error, message):
+    """PostgreSQL raised its own ``DataError`` at dispatch for these (a red team)."""
+    with pytest.raises(error, match=re.escape(message)):
+        Jobs.define(handler, {})
+
+
 def test_a_broker_records_a_failure_whose_fields_no_column_holds(redis_up):
     """A message from before dispatch refused such values (signed, genuine) is still recorded."""
     from django_jobs import signing
@@ -325,7 +350,7 @@ def test_a_broker_records_a_failure_whose_fields_no_column_holds(redis_up):
 
 
 @pytest.mark.postgres
-def test_a_job_past_a_limit_of_postgresql_is_refused_as_invalid_not_unreachable(postgres_up):
+def test_a_job_past_a_limit_of_postgresql_is_refused_as_invalid_not_unreachable(postgres_up, monkeypatch):
     """PostgreSQL raises its errors of class 54 (program limit exceeded: a ``jsonb`` value past
     256 MB, one nested deeper than ``max_stack_depth`` allows) as ``OperationalError``, the class
     of a lost connection: such a job is refused as a payload too large is, so that code that
@@ -335,6 +360,7 @@ def test_a_job_past_a_limit_of_postgresql_is_refused_as_invalid_not_unreachable(
         nested = [nested]
     with connections["postgres"].cursor() as cursor:
         cursor.execute("SET LOCAL max_stack_depth = '100kB'")  # the test's transaction: undone with it
+    monkeypatch.setattr(signing, "MAX_DEPTH", 1000)  # past PostgreSQL's, here (ours is 200)
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 5000))  # Python 3.11 signs it two frames a level
     try:
@@ -347,6 +373,35 @@ def test_a_job_past_a_limit_of_postgresql_is_refused_as_invalid_not_unreachable(
     assert "stack depth limit exceeded" in str(raised.value)
     assert raised.value.__cause__ is not None, "the driver's own error is chained"
     assert Job.objects.using("postgres").count() == 0
+
+
+def _nested(depth: int) -> object:
+    value: object = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_a_payload_nested_to_the_cap_is_verified_however_deep_the_worker_calls_it(backend):
+    """Dispatch took arguments nested as deep as the caller's own stack left room for (988
+    lists from a plain script), and a worker, deeper in its own calls, could not verify them:
+    rejected unrun, ``failed`` with 0 attempts (a red team). Signed fields nest at most
+    ``signing.MAX_DEPTH`` lists and dicts, checked at dispatch, which a worker verifies however
+    deep its own calls are."""
+    with pytest.raises(InvalidPayload, match="nested more than 200 deep"):
+        remember.using(backend=backend).dispatch(_nested(199))  # inside its arguments list and payload dict
+    assert Job.objects.using(alias(backend)).count() == 0
+    job_id = remember.using(backend=backend).dispatch(_nested(198))
+    worker = QueueWorker(backend, ["default"])
+    calls.clear()
+
+    def far_down(frames: int):  # Python 3.11 verifies the payload two frames a level
+        return far_down(frames - 1) if frames else worker.process_once()
+
+    result = far_down(sys.getrecursionlimit() - 600)
+
+    assert (result.status, result.job_id) == ("acked", job_id)
+    assert calls == [((_nested(198),), {})]
 
 
 @contextmanager

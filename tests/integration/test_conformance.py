@@ -409,6 +409,24 @@ def test_reap_fails_an_expired_lease_when_retries_are_exhausted(queue_backend, b
         assert row.finished_at is not None
 
 
+def test_ping_changes_nothing(queue_backend, backend_case):
+    """The probe a reaper holding back after an outage makes: it answers, and it changes no
+    message (a ready one stays ready, a leased one stays leased)."""
+    require_queue(queue_backend)
+    enqueue(queue_backend, backend_case, max_retries=0)
+    enqueue(queue_backend, backend_case, max_retries=0)
+    lease = fetch(queue_backend)
+
+    assert queue_backend.ping() is None
+
+    assert queue_backend.size("default") == 2
+    other = fetch(queue_backend)
+    assert other.envelope.id != lease.envelope.id
+    assert queue_backend.fetch("default") is None
+    queue_backend.ack(lease)
+    queue_backend.ack(other)
+
+
 def test_reap_never_touches_an_unexpired_lease(queue_backend, backend_case):
     require_queue(queue_backend)
     env = enqueue(queue_backend, backend_case, max_retries=3)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -268,6 +270,111 @@ def test_jobs_reap_loop_still_holds_back_when_the_backend_returns_just_before_it
     assert extended == 1, "the live worker's lease was reaped before its beat got through"
     row = Job.objects.get(pk=alive)
     assert (row.status, row.owner_token, row.last_error) == ("in_progress", "alive", "")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_jobs_reap_loop_probes_the_backend_while_it_holds_back(monkeypatch):
+    """A pass that came during the hold-back used to do nothing, not even meet the outage, and
+    the next came a whole ``--interval`` later: the outage's last error it met could be more
+    than a lease timeout before the backend returned, and that next pass reaped live leases
+    before their beats got through (a red team, ``LEASE_TIMEOUT`` 2 to 3 s, ``--interval`` 4 and
+    5 s: 15 of 15 live jobs failed ``WorkerLost``). While it holds back it now probes the backend
+    every third of a lease timeout, and each error moves the hold-back's end."""
+    from datetime import timedelta
+
+    from django.db import OperationalError
+    from django.utils import timezone
+
+    from django_jobs.reaper import Reaper
+
+    alive = scripted.dispatch(action="ok")
+    Job.objects.filter(pk=alive).update(
+        status="in_progress", owner_token="alive", leased_until=timezone.now() - timedelta(seconds=1)
+    )
+    reaper = Reaper("default")
+    reaper.grace = 1.5  # LEASE_TIMEOUT; its holders beat every 0.5 s
+    start = time.monotonic()
+    # Passes at 0 (fails), 0.5 (held back), then one --interval later, at 3.0: just after the return.
+    back_at, beat_at, stop_at = start + 2.9, start + 3.3, start + 3.7
+    real_reap, real_ping = reaper.backend.reap_expired, reaper.backend.ping
+    calls: list[str] = []
+
+    def down(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            calls.append(name)
+            if time.monotonic() < back_at:
+                raise OperationalError("the database is down")
+            return real(*args)
+
+        return call
+
+    monkeypatch.setattr(reaper.backend, "reap_expired", down("reap", real_reap))
+    monkeypatch.setattr(reaper.backend, "ping", down("ping", real_ping))
+    thread = threading.Thread(
+        target=reaper.run, args=(2.5,), kwargs={"should_stop": lambda: time.monotonic() > stop_at}
+    )
+    thread.start()
+    while time.monotonic() < beat_at:  # the live holder's beat, one beat interval after the return
+        time.sleep(0.02)
+    extended = Job.objects.filter(pk=alive, owner_token="alive", status="in_progress").update(
+        leased_until=timezone.now() + timedelta(seconds=30)
+    )
+    thread.join(10)
+    assert extended == 1, f"the live worker's lease was reaped before its beat got through ({calls})"
+    row = Job.objects.get(pk=alive)
+    assert (row.status, row.owner_token, row.last_error) == ("in_progress", "alive", "")
+    assert calls[0] == "reap" and calls.count("ping") >= 5, calls  # probed through the outage
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("backend", ["redis", "beanstalk", "default"])
+def test_a_message_at_the_size_cap_is_retried_not_rejected(backend, request):
+    """The brokers carry a retry as a message encoded again, with its ``attempts`` and
+    ``available_at``: a message that just fit ``MAX_MESSAGE_BYTES`` at dispatch outgrew it by
+    10 bytes on its first retry, and was rejected unrun with all its retries left (a red team,
+    Redis). A dispatch keeps room below the cap for what a retry adds."""
+    from django_jobs.envelope import RETRY_ROOM
+    from django_jobs.exceptions import InvalidPayload
+    from tests.api_support import jobs_settings, runs
+
+    request.getfixturevalue({"redis": "redis_up", "beanstalk": "beanstalk_up", "default": "db"}[backend])
+    job = scripted.using(backend=backend, max_retries=1)
+    with jobs_settings(MAX_MESSAGE_BYTES=20_000):  # under beanstalkd's 65,535-byte jobs
+
+        def fits(pad: int) -> bool:
+            try:
+                job.builder(action="flaky", key="big", fail_times=1, pad="x" * pad).build()
+            except InvalidPayload:
+                return False
+            return True
+
+        low, high = 0, 20_000  # the largest pad a dispatch accepts
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle - 1)
+        job_id = job.dispatch(action="flaky", key="big", fail_times=1, pad="x" * low)
+        size = len(job.builder(action="flaky", key="big", fail_times=1, pad="x" * low).build().to_bytes())
+        assert 20_000 - RETRY_ROOM - 10 < size <= 20_000 - RETRY_ROOM
+        worker = QueueWorker(backend, ["default"], prefetch=1)
+        first, second = worker.process_once(), worker.process_once()
+
+    assert (first.status, first.job_id) == ("requeued", job_id), first.error
+    assert (second.status, second.job_id) == ("acked", job_id), second.error
+    assert runs("big") == 2
+
+
+def test_ping_raises_while_the_backend_is_unreachable(redis_up):
+    """What the reaper's probe relies on: an unreachable server raises, it is not taken for an
+    answer."""
+    import redis
+
+    from django_jobs.backends import get_backend
+    from tests.servers import free_port
+
+    down = {"ENGINE": "redis", "OPTIONS": {"URL": f"redis://127.0.0.1:{free_port()}/0"}}
+    backends = {**settings.JOBS["BACKENDS"], "down": down}
+    with override_settings(JOBS={**settings.JOBS, "BACKENDS": backends}), pytest.raises(redis.ConnectionError):
+        get_backend("down").ping()
 
 
 def test_an_idle_worker_in_an_outage_tries_again_within_a_third_of_its_lease(monkeypatch):
