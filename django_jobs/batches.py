@@ -31,6 +31,7 @@ from .heartbeat import Heartbeat
 from .history import Deferred
 from .logfields import lease_fields
 from .metrics import MetricsCollector
+from .reaper import outage_pause
 
 if TYPE_CHECKING:
     from .pipeline import Verdict
@@ -233,14 +234,16 @@ class Batches:
 
     # -- either thread --
 
-    def flush(self) -> None:
+    def flush(self, keep: bool = False) -> bool:
         """Write the kept attempt rows, then the waiting acks, starts and requeues; a backend
-        error is retried a few times, then the jobs are left to the reaper (they will run
-        again). Never raises."""
+        error is retried a few times. Then, with ``keep`` (while the run goes on), the acks and
+        requeues wait for the next write: they are still ours while the reapers hold back after
+        the outage; without it (the run's end) they are left to the reaper and will run again.
+        ``False`` when the write failed. Never raises."""
         with self._writing:
-            self._flush()
+            return self._flush(keep)
 
-    def _flush(self) -> None:
+    def _flush(self, keep: bool) -> bool:
         with self._lock:
             acks, self._acks = self._acks, []
             requeues, self._requeues = self._requeues, []
@@ -250,22 +253,26 @@ class Batches:
             self._begun = {}
         self._write_history()  # the requeues' rows, before the retries are claimable
         if not acks and not begun and not requeues:
-            return
+            return True
         try:
             lost, done = self.settle(
                 lambda leases: self.backend.settle_many(leases, begun, [requeue for requeue, _ in requeues]), acks
             )
         except Exception:
             logger.exception(
-                "could not write the acks of %d completed job(s) and the requeues of %d failed one(s); "
-                "they will run again",
+                "could not write the acks of %d completed job(s) and the requeues of %d failed one(s); %s",
                 len(acks),
                 len(requeues),
+                "trying again" if keep else "they will run again",
             )
-            self._told_written(acks, requeues)
-            return
+            if keep:
+                self._put_back(acks, requeues)
+            else:
+                self._told_written(acks, requeues)
+            return False
         self._count_lost(lost)
         self._written(acks, requeues, done)
+        return True
 
     def hand_back(self) -> None:
         """Jobs held ahead go straight back, not counted as runs, with their tickets (one asked
@@ -309,14 +316,15 @@ class Batches:
 
     def _watch(self) -> None:
         """Every ``BATCH_SECONDS`` while a batch lasts: write its acks; after
-        ``HAND_BACK_AFTER``, hand back the jobs still waiting in it."""
-        self.flush()
+        ``HAND_BACK_AFTER``, hand back the jobs still waiting in it. After a failed write, the
+        next try comes at an outage's pace (:func:`~django_jobs.reaper.outage_pause`)."""
+        written = self.flush(keep=True)
         if self._ahead and time.monotonic() - self._claimed_at >= HAND_BACK_AFTER:
             self.hand_back()
         with self._lock:
             self._watch_due = None
             if self._ahead or self._acks or self._begun or self._requeues or self.history:
-                self._watch_later()
+                self._watch_later(BATCH_SECONDS if written else outage_pause(1.0, self.lease_seconds))
 
     def _watch_later(self, delay: float = BATCH_SECONDS) -> None:
         """Under the lock: ``_watch`` in ``delay`` seconds, unless one is due sooner."""

@@ -25,6 +25,7 @@ import os
 import sys
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -331,6 +332,10 @@ class DeliveryPipeline:
         # The worker is stopping at once (QueueWorker.interrupt): a run does not begin, and one
         # that ends with an error is handed back without counting it.
         self.interrupted = False
+        # Settles an outage kept from the backend, tried again first once it answers
+        # (:meth:`settle_unsettled`): kept only while the run loop sets ``keep_unsettled``.
+        self.keep_unsettled = False
+        self.unsettled: deque[tuple[Lease, Verdict]] = deque()
 
     # -- the pipeline --
 
@@ -710,6 +715,9 @@ class DeliveryPipeline:
                     extra=lease_fields(lease, attempt, Outcome.LEASE_LOST.label),
                 )
                 outcome = Outcome.LEASE_LOST
+            except Exception:
+                self._keep_unsettled(lease, verdict)
+                raise
             else:
                 if now:  # else counted once its batch has written it (``requeued``)
                     self._count(lease, verdict)
@@ -731,6 +739,29 @@ class DeliveryPipeline:
         if outcome is not Outcome.LEASE_LOST:  # a lost lease is logged where it was found
             _log_result(lease, result)
         return result
+
+    def _keep_unsettled(self, lease: Lease, verdict: Verdict) -> None:
+        """A settle that outlasted its retries: kept, while the run loop asks for it, to be tried
+        again before anything else once the backend answers, so that its lease, still ours
+        while the reapers hold back after the outage, is settled as the run ended, not reaped
+        as lost (a success run again, or failed ``WorkerLost``). Not a failed run's requeue
+        whose attempt row is written already: the reaper counts that run once."""
+        if not self.keep_unsettled or (verdict.outcome is Outcome.REQUEUED and verdict.count_run):
+            return
+        self.unsettled.append((lease, verdict))
+        logger.error(
+            "job %s: could not settle it as %s; trying again once the backend answers",
+            lease.envelope.id if lease.envelope is not None else lease.token,
+            _verdict_label(verdict),
+            extra=lease_fields(lease),
+        )
+
+    def settle_unsettled(self) -> None:
+        """Settle what an outage kept from the backend, oldest first, one try each: a backend
+        error keeps the rest, and is raised (the run loop waits for the backend)."""
+        while self.unsettled:
+            lease, verdict = self.unsettled.popleft()
+            self.settle(lease, verdict, retries=(), batched=False)
 
     def _tell_backend(
         self,

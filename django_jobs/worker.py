@@ -276,14 +276,17 @@ class QueueWorker:
                 self.pipeline.requeue_later = self.batches.requeue_later
         elif self.backend.pipelines_ack_fetch:
             self.pipeline.ack = lambda lease: self._ack_and_lease_next(lease, limits)
+        self.pipeline.keep_unsettled = True
         self.heartbeat.start()
         restore_alarm = install_alarm_handler()  # an abort the heartbeat passes on can interrupt any job
         try:
             while limits.admit(self.stopping, ticket_held=bool(self.batches)):
-                if reaper is not None and time.monotonic() >= next_reap:
-                    next_reap = time.monotonic() + self.lease_seconds
-                    self._reap(reaper)
                 try:
+                    # First what an outage kept from the backend: its leases are still ours.
+                    self.pipeline.settle_unsettled()
+                    if reaper is not None and time.monotonic() >= next_reap:
+                        next_reap = time.monotonic() + self.lease_seconds
+                        self._reap(reaper)
                     result = self._deliver()
                 except Exception as exc:  # noqa: BLE001 - logged by _outage: the backend is unreachable
                     limits.give_back()
@@ -311,6 +314,8 @@ class QueueWorker:
                     break
         finally:
             restore_alarm()
+            self.pipeline.keep_unsettled = False
+            self._settle_unsettled_at_exit()
             self.pipeline.ack = self.backend.ack
             self.pipeline.on_start = None
             self.pipeline.requeue_later = None
@@ -321,6 +326,21 @@ class QueueWorker:
             self.heartbeat.stop()
             self.batching = False
         return limits.done
+
+    def _settle_unsettled_at_exit(self) -> None:
+        """One last try for what an outage kept from the backend; what still fails is left to
+        the reaper (those jobs run again)."""
+        try:
+            self.pipeline.settle_unsettled()
+        except Exception as exc:  # noqa: BLE001 - logged; the reaper recovers those leases
+            logger.error(
+                "worker: %d job(s) could not be settled before the worker stopped (%s); the reaper "
+                "will recover them and they will run again",
+                len(self.pipeline.unsettled) + 1,
+                summary(exc),
+                extra=queues_fields(self.queues),
+            )
+            self.pipeline.unsettled.clear()
 
     def _deliver(self) -> WorkerResult:
         if not self.batching:

@@ -377,6 +377,39 @@ def test_ping_raises_while_the_backend_is_unreachable(redis_up):
         get_backend("down").ping()
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("prefetch", [1, 100], ids=["one-at-a-time", "batches"])
+def test_a_success_that_ends_in_an_outage_is_acked_once_the_backend_is_back(private_redis, prefetch):
+    """A job that succeeded while the backend was down was settled with 3 s of retries, then
+    forgotten: after the outage its own worker reaped it, and it ran again (a red team, 10 s
+    outages, ``LEASE_TIMEOUT`` 3 s: 3 of 3 jobs, with a batch's acks too; with no retry left it
+    was failed ``WorkerLost`` though it had succeeded). The settle is now kept and tried again
+    first once the backend answers, while the reapers still hold back."""
+    from django_jobs.models import Job
+    from tests.api_support import jobs_settings, runs
+    from tests.procs import wait_until
+
+    backends = {**settings.JOBS["BACKENDS"], "private": {"ENGINE": "redis", "OPTIONS": {"URL": private_redis.url}}}
+    with jobs_settings(BACKENDS=backends, LEASE_TIMEOUT=3):
+        job_id = scripted.using(backend="private", max_retries=0).dispatch(action="sleep", seconds=1.5, key="ok")
+        worker = QueueWorker("private", ["default"], prefetch=prefetch)
+        thread = threading.Thread(target=worker.run, kwargs={"max_time": 14.0})
+        thread.start()
+        try:
+            wait_until(lambda: runs("ok") == 1, 10, "the job to start")
+            private_redis.kill()  # the job ends 1.5 s into the outage; its settle's retries end at 4.5 s
+            time.sleep(7.0)
+            private_redis.start()
+        finally:
+            thread.join(20)
+        leftover = Jobs.backend("private").size("default")
+
+    assert runs("ok") == 1, "the job ran again"
+    assert not Job.objects.filter(pk=job_id).exists(), Job.objects.get(pk=job_id).last_error
+    assert leftover == 0, "the job is still in the queue"
+    assert not worker.pipeline.unsettled
+
+
 def test_an_idle_worker_in_an_outage_tries_again_within_a_third_of_its_lease(monkeypatch):
     """An idle worker backs off 1, 2, 4 ... s during an outage; past a third of its lease
     timeout, its hold-back (a lease timeout from its last error) could run out before the

@@ -150,6 +150,30 @@ def test_heartbeat_reconnects_when_the_database_fails_during_a_long_job(private_
         assert_ran_once_and_completed(pg, job_id, key, worker)
 
 
+@pytest.mark.parametrize("prefetch", ["1", "100"], ids=["one-at-a-time", "batches"])
+def test_a_success_that_ends_in_an_outage_is_completed_not_reaped(private_postgres, prefetch):
+    """A job that succeeded while the database was down was settled with 3 s of retries, then
+    forgotten: its worker reaped it after the outage, and it was failed ``WorkerLost`` though it
+    had completed (a red team, 10 s outages, ``LEASE_TIMEOUT`` 3 s, with ``jobs_reap --loop``
+    beside it). The settle is kept and written first once the database answers, while the
+    reapers still hold back."""
+    pg = private_postgres
+    lease = 3.0
+    with processes() as procs:
+        worker = procs.worker(*PG_WORKER, "--prefetch", prefetch, env=pg.env(lease))
+        procs.start("jobs_reap", "--backend", "pg", "--loop", "--interval", "4", env=pg.env(lease))
+        key = unique("outage")
+        job_id = dispatch(pg, procs, action="sleep", seconds=1.5, key=key)
+        wait_until(lambda: runs(pg, key) == 1, 30, "the job to start")
+        pg.restart(outage=7.0)  # the job ends 1.5 s into it; its settle's retries end 3 s later
+
+        status, attempts, error = settled(pg, job_id)
+        assert (status, attempts, error) == (JobStatus.COMPLETED, 1, ""), worker.output()
+        time.sleep(lease)  # a reap after the return would find nothing to take
+        assert row(pg, job_id)[0] == JobStatus.COMPLETED, worker.output()
+        assert runs(pg, key) == 1, worker.output()
+
+
 @pytest.mark.postgres
 @pytest.mark.django_db(databases=["default", PG], transaction=True)
 def test_heartbeat_keeps_a_redis_lease_through_a_redis_restart(private_redis, postgres_up):
