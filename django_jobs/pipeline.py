@@ -41,6 +41,7 @@ from .current import running_job
 from .envelope import Envelope, check_storable, dumps_payload, storable
 from .exceptions import (
     AbortRequested,
+    BackendUnavailable,
     BadSignature,
     HandlerNotAllowed,
     InvalidPayload,
@@ -715,8 +716,8 @@ class DeliveryPipeline:
                     extra=lease_fields(lease, attempt, Outcome.LEASE_LOST.label),
                 )
                 outcome = Outcome.LEASE_LOST
-            except Exception:
-                self._keep_unsettled(lease, verdict)
+            except Exception as exc:
+                self._keep_unsettled(lease, verdict, exc)
                 raise
             else:
                 if now:  # else counted once its batch has written it (``requeued``)
@@ -740,13 +741,17 @@ class DeliveryPipeline:
             _log_result(lease, result)
         return result
 
-    def _keep_unsettled(self, lease: Lease, verdict: Verdict) -> None:
+    def _keep_unsettled(self, lease: Lease, verdict: Verdict, error: Exception) -> None:
         """A settle that outlasted its retries: kept, while the run loop asks for it, to be tried
         again before anything else once the backend answers, so that its lease, still ours
         while the reapers hold back after the outage, is settled as the run ended, not reaped
-        as lost (a success run again, or failed ``WorkerLost``). Not a failed run's requeue
-        whose attempt row is written already: the reaper counts that run once."""
+        as lost (a success run again, or failed ``WorkerLost``). Only for an outage (an error
+        the backend's client raises when its server cannot be reached): any other would fail
+        the same way again, and hold the worker. Not a failed run's requeue whose attempt row
+        is written already: the reaper counts that run once."""
         if not self.keep_unsettled or (verdict.outcome is Outcome.REQUEUED and verdict.count_run):
+            return
+        if not isinstance(self.backend.dispatch_error(error), BackendUnavailable):
             return
         self.unsettled.append((lease, verdict))
         logger.error(

@@ -410,6 +410,34 @@ def test_a_success_that_ends_in_an_outage_is_acked_once_the_backend_is_back(priv
     assert not worker.pipeline.unsettled
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_settle_that_fails_for_another_reason_than_an_outage_is_not_kept(monkeypatch):
+    """Only an outage's settle is kept for later: an error that would come back every time (a
+    bug, a refused write) would hold the worker, trying it again before every job. The lease is
+    left to the reaper, and the next job runs."""
+    from tests.api_support import runs
+
+    first = scripted.dispatch(action="ok", key="refused")
+    second = scripted.dispatch(action="ok", key="next")
+    worker = QueueWorker("default", ["default"], prefetch=1)
+    real_ack, refused = worker.pipeline.ack, []
+
+    def ack(lease: Lease, **kwargs: Any) -> None:
+        if lease.token == first:
+            refused.append(lease.token)
+            raise ValueError("this write is refused")
+        real_ack(lease, **kwargs)
+
+    monkeypatch.setattr(worker.pipeline, "ack", ack)
+    monkeypatch.setattr(worker.backend, "pipelines_ack_fetch", False)
+    worker.run(max_time=6.0, reap=False)  # the settle's own retries take 4 s
+
+    assert refused == [first] * 4 and not worker.pipeline.unsettled
+    assert (runs("refused"), runs("next")) == (1, 1)
+    assert Job.objects.get(pk=second).status == "completed"
+    assert Job.objects.get(pk=first).status == "in_progress"  # left to the reaper
+
+
 def test_an_idle_worker_in_an_outage_tries_again_within_a_third_of_its_lease(monkeypatch):
     """An idle worker backs off 1, 2, 4 ... s during an outage; past a third of its lease
     timeout, its hold-back (a lease timeout from its last error) could run out before the
