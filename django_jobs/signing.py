@@ -55,7 +55,7 @@ def _normal(value: Any, depth: int = 0) -> Any:
     if isinstance(value, float):
         # Through the decimal text, as the database keeps it: int(1e23) would be 99999999999999991611392.
         return int(Decimal(repr(value))) if value.is_integer() else value
-    if isinstance(value, (dict, list, tuple)) and depth >= MAX_DEPTH:
+    if depth >= MAX_DEPTH and isinstance(value, (dict, list, tuple)):
         raise ValueError(f"lists and dicts nested more than {MAX_DEPTH} deep")
     if isinstance(value, dict):
         return {k: _normal(v, depth + 1) for k, v in value.items()}

@@ -282,8 +282,8 @@ class QueueWorker:
         try:
             while limits.admit(self.stopping, ticket_held=bool(self.batches)):
                 try:
-                    # First what an outage kept from the backend: its leases are still ours.
-                    self.pipeline.settle_unsettled()
+                    if self.pipeline.unsettled:  # first what an outage kept: its leases are still ours
+                        self.pipeline.settle_unsettled()
                     if reaper is not None and time.monotonic() >= next_reap:
                         next_reap = time.monotonic() + self.lease_seconds
                         self._reap(reaper)

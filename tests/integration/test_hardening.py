@@ -225,61 +225,13 @@ def test_a_worker_whose_beats_failed_holds_its_reaping_back(monkeypatch):
     assert (row.status, row.owner_token, row.last_error) == ("in_progress", "alive", "")
 
 
-@pytest.mark.django_db(transaction=True)
-def test_jobs_reap_loop_still_holds_back_when_the_backend_returns_just_before_its_next_pass(monkeypatch):
-    """The hold-back counts from the last error. ``jobs_reap --loop`` with an interval longer
-    than the lease timeout failed once, its hold-back ran out during the outage, and its next
-    pass came just after the backend returned: it reaped the live workers' leases before their
-    next beats got through (a red team, 8 of 9 live jobs failed ``WorkerLost``). During an
-    outage it now tries again every third of a lease timeout, so its hold-back outlasts the
-    outage's end."""
-    from datetime import timedelta
-
-    from django.db import OperationalError
-    from django.utils import timezone
-
-    from django_jobs.reaper import Reaper
-
-    alive = scripted.dispatch(action="ok")
-    Job.objects.filter(pk=alive).update(
-        status="in_progress", owner_token="alive", leased_until=timezone.now() - timedelta(seconds=1)
-    )
-    reaper = Reaper("default")
-    reaper.grace = 1.5  # LEASE_TIMEOUT
-    start = time.monotonic()
-    back_at, beat_at, stop_at = start + 2.3, start + 2.9, start + 3.3
-    real = reaper.backend.reap_expired
-
-    def reap_expired(queue: str | None = None) -> int:
-        if time.monotonic() < back_at:
-            raise OperationalError("the database is down")
-        return real(queue)
-
-    monkeypatch.setattr(reaper.backend, "reap_expired", reap_expired)
-    thread = threading.Thread(
-        target=reaper.run, args=(2.5,), kwargs={"should_stop": lambda: time.monotonic() > stop_at}
-    )
-    thread.start()
-    # The live holder's beat gets through a little after the backend is back.
-    while time.monotonic() < beat_at:
-        time.sleep(0.02)
-    extended = Job.objects.filter(pk=alive, owner_token="alive", status="in_progress").update(
-        leased_until=timezone.now() + timedelta(seconds=30)
-    )
-    thread.join(10)
-    assert extended == 1, "the live worker's lease was reaped before its beat got through"
-    row = Job.objects.get(pk=alive)
-    assert (row.status, row.owner_token, row.last_error) == ("in_progress", "alive", "")
-
-
-@pytest.mark.django_db(transaction=True)
-def test_jobs_reap_loop_probes_the_backend_while_it_holds_back(monkeypatch):
-    """A pass that came during the hold-back used to do nothing, not even meet the outage, and
-    the next came a whole ``--interval`` later: the outage's last error it met could be more
-    than a lease timeout before the backend returned, and that next pass reaped live leases
-    before their beats got through (a red team, ``LEASE_TIMEOUT`` 2 to 3 s, ``--interval`` 4 and
-    5 s: 15 of 15 live jobs failed ``WorkerLost``). While it holds back it now probes the backend
-    every third of a lease timeout, and each error moves the hold-back's end."""
+def reap_loop_through_an_outage(
+    monkeypatch: pytest.MonkeyPatch, back: float, beat: float, stop: float
+) -> tuple[int, list[str]]:
+    """``jobs_reap --loop``'s ``Reaper.run`` (``LEASE_TIMEOUT`` 1.5 s, ``--interval`` 2.5 s)
+    against a database down (every reap and probe fails) until ``back`` seconds from now, while a
+    live worker's lease has expired in the outage; its holder's beat gets through at ``beat``.
+    Returns how many leases that beat extended (0: reaped first) and the reaper's calls."""
     from datetime import timedelta
 
     from django.db import OperationalError
@@ -294,35 +246,57 @@ def test_jobs_reap_loop_probes_the_backend_while_it_holds_back(monkeypatch):
     reaper = Reaper("default")
     reaper.grace = 1.5  # LEASE_TIMEOUT; its holders beat every 0.5 s
     start = time.monotonic()
-    # Passes at 0 (fails), 0.5 (held back), then one --interval later, at 3.0: just after the return.
-    back_at, beat_at, stop_at = start + 2.9, start + 3.3, start + 3.7
-    real_reap, real_ping = reaper.backend.reap_expired, reaper.backend.ping
     calls: list[str] = []
 
     def down(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any) -> Any:
             calls.append(name)
-            if time.monotonic() < back_at:
+            if time.monotonic() < start + back:
                 raise OperationalError("the database is down")
             return real(*args)
 
         return call
 
-    monkeypatch.setattr(reaper.backend, "reap_expired", down("reap", real_reap))
-    monkeypatch.setattr(reaper.backend, "ping", down("ping", real_ping))
+    monkeypatch.setattr(reaper.backend, "reap_expired", down("reap", reaper.backend.reap_expired))
+    monkeypatch.setattr(reaper.backend, "ping", down("ping", reaper.backend.ping))
     thread = threading.Thread(
-        target=reaper.run, args=(2.5,), kwargs={"should_stop": lambda: time.monotonic() > stop_at}
+        target=reaper.run, args=(2.5,), kwargs={"should_stop": lambda: time.monotonic() > start + stop}
     )
     thread.start()
-    while time.monotonic() < beat_at:  # the live holder's beat, one beat interval after the return
+    while time.monotonic() < start + beat:
         time.sleep(0.02)
     extended = Job.objects.filter(pk=alive, owner_token="alive", status="in_progress").update(
         leased_until=timezone.now() + timedelta(seconds=30)
     )
     thread.join(10)
-    assert extended == 1, f"the live worker's lease was reaped before its beat got through ({calls})"
     row = Job.objects.get(pk=alive)
-    assert (row.status, row.owner_token, row.last_error) == ("in_progress", "alive", "")
+    assert (row.status, row.owner_token, row.last_error) == ("in_progress", "alive", ""), calls
+    return extended, calls
+
+
+@pytest.mark.django_db(transaction=True)
+def test_jobs_reap_loop_still_holds_back_when_the_backend_returns_just_before_its_next_pass(monkeypatch):
+    """The hold-back counts from the last error. ``jobs_reap --loop`` with an interval longer
+    than the lease timeout failed once, its hold-back ran out during the outage, and its next
+    pass came just after the backend returned: it reaped the live workers' leases before their
+    next beats got through (a red team, 8 of 9 live jobs failed ``WorkerLost``). During an
+    outage it now tries again every third of a lease timeout, so its hold-back outlasts the
+    outage's end."""
+    extended, _ = reap_loop_through_an_outage(monkeypatch, back=2.3, beat=2.9, stop=3.3)
+    assert extended == 1, "the live worker's lease was reaped before its beat got through"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_jobs_reap_loop_probes_the_backend_while_it_holds_back(monkeypatch):
+    """A pass that came during the hold-back used to do nothing, not even meet the outage, and
+    the next came a whole ``--interval`` later: the outage's last error it met could be more
+    than a lease timeout before the backend returned, and that next pass reaped live leases
+    before their beats got through (a red team, ``LEASE_TIMEOUT`` 2 to 3 s, ``--interval`` 4 and
+    5 s: 15 of 15 live jobs failed ``WorkerLost``). While it holds back it now probes the backend
+    every third of a lease timeout, and each error moves the hold-back's end."""
+    # Passes at 0 (fails), 0.5 (held back), then one --interval later, at 3.0: just after the return.
+    extended, calls = reap_loop_through_an_outage(monkeypatch, back=2.9, beat=3.3, stop=3.7)
+    assert extended == 1, f"the live worker's lease was reaped before its beat got through ({calls})"
     assert calls[0] == "reap" and calls.count("ping") >= 5, calls  # probed through the outage
 
 
