@@ -25,13 +25,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .backends.base import NO_RESULT, Lease, QueueBackend, Requeue, Requeued
-from .exceptions import AbortRequested, LeaseLost
-from .heartbeat import Heartbeat
+from .backends.base import NO_RESULT, SETTLE_RETRY_PAUSES, Lease, QueueBackend, Requeue, Requeued
+from .exceptions import MAYBE_SETTLED, AbortRequested, LeaseLost
+from .heartbeat import Heartbeat, retry_soon
 from .history import Deferred
 from .logfields import lease_fields
 from .metrics import MetricsCollector
-from .reaper import outage_pause
 
 if TYPE_CHECKING:
     from .pipeline import Verdict
@@ -76,7 +75,7 @@ class Batches:
         *,
         maximum: int,
         lease_seconds: float,
-        settle: Callable[[Callable[[list[Lease]], Settled], list[Lease]], Settled],
+        settle: Callable[[Callable[[list[Lease]], Settled], list[Lease], tuple[float, ...]], Settled],
         cancel: Callable[[Lease, str], object],
         requeued: Callable[[list[tuple[Lease, Verdict]]], None],
         refused: Callable[[Lease, Verdict, str], object],
@@ -84,7 +83,7 @@ class Batches:
     ) -> None:
         self.backend, self.heartbeat, self.metrics = backend, heartbeat, metrics
         self.maximum, self.lease_seconds = maximum, lease_seconds
-        self.settle = settle  # runs a backend call, retrying transient errors
+        self.settle = settle  # runs a backend call, retrying transient errors after each pause
         self.cancel = cancel  # settles a job held here that was asked to abort (who asked)
         self.requeued = requeued  # failed runs whose requeues were written: count them
         self.refused = refused  # a failed run's requeue refused, the job asked to abort: cancel it (never raises)
@@ -97,6 +96,7 @@ class Batches:
         # Started, claimed ahead, their starts not written yet (by ``id``: ended drops one in O(1)).
         self._begun: dict[int, Lease] = {}
         self._watch_due: float | None = None  # when the ``_watch`` scheduled on the heartbeat runs
+        self._failed_writes = 0  # in a row: while the run goes on, the 1st, 2nd, 4th ... is logged
         self._lock = threading.Lock()
         # One write of the batch at a time: the next claim waits for the heartbeat's write of the
         # requeues it took, so the supervisor never hears of a new claim while runs of the last
@@ -107,6 +107,10 @@ class Batches:
 
     def __bool__(self) -> bool:
         return bool(self._ahead)
+
+    def unwritten(self) -> bool:
+        """Do acks or requeues wait for a write (their leases lapse unless one gets through)?"""
+        return bool(self._acks or self._requeues)
 
     # -- the main thread --
 
@@ -235,11 +239,12 @@ class Batches:
     # -- either thread --
 
     def flush(self, keep: bool = False) -> bool:
-        """Write the kept attempt rows, then the waiting acks, starts and requeues; a backend
-        error is retried a few times. Then, with ``keep`` (while the run goes on), the acks and
-        requeues wait for the next write: they are still ours while the reapers hold back after
-        the outage; without it (the run's end) they are left to the reaper and will run again.
-        ``False`` when the write failed. Never raises."""
+        """Write the kept attempt rows, then the waiting acks, starts and requeues. Then, with
+        ``keep`` (while the run goes on), a failed write is tried again once at once, and the
+        acks and requeues wait for the next write, soon: they are still ours while the reapers
+        hold back after the outage. Without it (the run's end), a backend error is retried a few
+        times, then they are left to the reaper and will run again. ``False`` when the write
+        failed. Never raises."""
         with self._writing:
             return self._flush(keep)
 
@@ -254,24 +259,33 @@ class Batches:
         self._write_history()  # the requeues' rows, before the retries are claimable
         if not acks and not begun and not requeues:
             return True
+        tries = 0
+
+        def write(leases: list[Lease]) -> Settled:
+            nonlocal tries
+            tries += 1
+            return self.backend.settle_many(leases, begun, [requeue for requeue, _ in requeues])
+
         try:
-            lost, done = self.settle(
-                lambda leases: self.backend.settle_many(leases, begun, [requeue for requeue, _ in requeues]), acks
-            )
+            lost, done = self.settle(write, acks, (0.0,) if keep else SETTLE_RETRY_PAUSES)
         except Exception:
-            logger.exception(
+            self._failed_writes += 1
+            logger.log(
+                logging.DEBUG if keep and self._failed_writes & (self._failed_writes - 1) else logging.ERROR,
                 "could not write the acks of %d completed job(s) and the requeues of %d failed one(s); %s",
                 len(acks),
                 len(requeues),
                 "trying again" if keep else "they will run again",
+                exc_info=True,
             )
             if keep:
                 self._put_back(acks, requeues)
             else:
                 self._told_written(acks, requeues)
             return False
-        self._count_lost(lost)
-        self._written(acks, requeues, done)
+        self._failed_writes = 0
+        self._count_lost(lost, retried=tries > 1)
+        self._written(acks, requeues, done, retried=tries > 1)
         return True
 
     def hand_back(self) -> None:
@@ -317,14 +331,14 @@ class Batches:
     def _watch(self) -> None:
         """Every ``BATCH_SECONDS`` while a batch lasts: write its acks; after
         ``HAND_BACK_AFTER``, hand back the jobs still waiting in it. After a failed write, the
-        next try comes at an outage's pace (:func:`~django_jobs.reaper.outage_pause`)."""
+        next try comes soon, at a random moment (:func:`~django_jobs.heartbeat.retry_soon`)."""
         written = self.flush(keep=True)
         if self._ahead and time.monotonic() - self._claimed_at >= HAND_BACK_AFTER:
             self.hand_back()
         with self._lock:
             self._watch_due = None
             if self._ahead or self._acks or self._begun or self._requeues or self.history:
-                self._watch_later(BATCH_SECONDS if written else outage_pause(1.0, self.lease_seconds))
+                self._watch_later(BATCH_SECONDS if written else retry_soon(self.lease_seconds))
 
     def _watch_later(self, delay: float = BATCH_SECONDS) -> None:
         """Under the lock: ``_watch`` in ``delay`` seconds, unless one is due sooner."""
@@ -347,16 +361,23 @@ class Batches:
                 self._acks[:0] = acks
                 self._requeues[:0] = requeues
 
-    def _written(self, acks: list[Lease], requeues: list[tuple[Requeue, Verdict]], done: list[Requeued]) -> None:
-        """A batch wrote ``acks`` and ``requeues``: what became of each requeue (counted and
-        recorded, lost, or refused)."""
+    def _written(
+        self,
+        acks: list[Lease],
+        requeues: list[tuple[Requeue, Verdict]],
+        done: list[Requeued],
+        *,
+        retried: bool = False,
+    ) -> None:
+        """A batch wrote ``acks`` and ``requeues`` (``retried``: on a try after a backend error):
+        what became of each requeue (counted and recorded, lost, or refused)."""
         requeued = []
         for (requeue, verdict), outcome in zip(requeues, done, strict=True):
             lease = requeue.lease
             if outcome is True:
                 requeued.append((lease, verdict))
             elif outcome is False:
-                self._count_lost([lease], "requeue")
+                self._count_lost([lease], "requeue", retried=retried)
             else:
                 self.refused(lease, verdict, outcome)
         if requeued:
@@ -367,12 +388,15 @@ class Batches:
         if (acks or requeues) and self.supervisor is not None:
             self.supervisor.written([*acks, *(requeue.lease for requeue, _ in requeues)])
 
-    def _count_lost(self, lost: list[Lease], what: str = "ack") -> None:
+    def _count_lost(self, lost: list[Lease], what: str = "ack", *, retried: bool = False) -> None:
+        """``retried``: found by a write tried again after a backend error (the try before may
+        have been made, its answer lost)."""
         for lease in lost:
             self.metrics.increment("jobs_lease_lost", queue=lease.queue)
             logger.warning(
-                "job %s: lease lost before its %s was written (reaped; it may run again)",
+                "job %s: lease lost before its %s was written (reaped; it may run again)%s",
                 lease.token,
                 what,
+                MAYBE_SETTLED if retried else "",
                 extra=lease_fields(lease, outcome="lost"),
             )

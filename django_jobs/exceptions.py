@@ -12,6 +12,14 @@ class JobsError(Exception):
 class LeaseLost(JobsError):
     """The lease was reaped or settled by someone else: the owner token is stale."""
 
+    # Found by a settle tried again after a backend error: the try before may have been made,
+    # its answer lost (a cut connection), and the lease gone with it.
+    after_failed_try = False
+
+
+# Logged with a lease found lost by a settle tried again after a backend error.
+MAYBE_SETTLED = "; a try before, whose answer was lost, may have settled it"
+
 
 class InvalidPayload(JobsError, ValueError):
     """A message or payload that cannot be encoded or decoded (not JSON, too large, bad shape)."""

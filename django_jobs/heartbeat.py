@@ -5,8 +5,9 @@ enforces the hard time limit of the running attempt, and passes on an abort aske
 It must outlive every fault of the backend, for the life of the process:
 
 - A beat that fails (the server restarted, failed over, or killed our connection) drops this
-  thread's connections and tries again at once on a fresh one, then every second, so the
-  lease survives as long as one beat per lease timeout reaches the backend.
+  thread's connections and tries again at once on a fresh one, then at random moments a
+  quarter of a second or less apart (:func:`retry_soon`), so the lease survives as long as the
+  backend answers for a moment in each lease timeout.
 - The hard time limit fires whatever the backend's health: settling the timed-out attempt is
   tried once, for a bounded time, and the process is ended either way (the supervisor starts a
   fresh one). A settle that could not be made is left to the reaper.
@@ -18,6 +19,7 @@ It must outlive every fault of the backend, for the life of the process:
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,13 +31,22 @@ from .logfields import lease_fields, log_fields
 
 logger = logging.getLogger("django_jobs.worker")
 
-# After a failed beat, the next try comes this soon (or at the normal interval, if shorter).
-RETRY_AFTER_FAILURE = 1.0
+# After a failed write that keeps a lease alive, the next try comes within this (at random).
+RETRY_SOON = 0.25
 # How long the hard time limit waits for its settle before it ends the process anyway.
 SETTLE_BEFORE_KILL = 5.0
 # Between beats, the watched job's abort flag is read this often, from this long after its
 # start (a shorter job is never asked); not at all when beats come as often.
 ABORT_CHECK = 1.0
+
+
+def retry_soon(lease_seconds: float) -> float:
+    """How long to wait before trying again a write that keeps a lease alive (a beat, a batch's
+    acks, a settle kept through an outage) after a backend error: a random 40 to 100 % of a
+    quarter of a second (of a tenth of the lease timeout, if shorter). Tries at a fixed pace can
+    all fall into the down part of an outage that flaps (down most of each second); tries this
+    close together, at random moments, get through in its up moments."""
+    return random.uniform(0.4, 1.0) * min(RETRY_SOON, lease_seconds / 10)
 
 
 class Heartbeat:
@@ -69,6 +80,7 @@ class Heartbeat:
         self._on_abort: Callable[[str], None] | None = None
         self._next_beat = self._next_check = 0.0
         self._lost: Lease | None = None
+        self._failing = False  # the last beat failed: the next failure is logged at debug level
         self._deadline: float | None = None
         self._on_deadline: Callable[[], None] | None = None
         self._timer: tuple[float, Callable[[], None]] | None = None
@@ -231,8 +243,9 @@ class Heartbeat:
             on_abort(requested_by)
 
     def _extend(self, lease: Lease) -> bool:
-        """One beat: extend, and on a backend error retry once at once on fresh connections.
-        An extend that finds the job asked to abort passes that on."""
+        """One beat: extend, and on a backend error retry once at once on fresh connections,
+        then again soon (:func:`retry_soon`; logged once a run of failures). An extend that
+        finds the job asked to abort passes that on."""
         for last_try in (False, True):
             try:
                 aborted_by = self.backend.extend(lease, self.lease_seconds)
@@ -246,26 +259,34 @@ class Heartbeat:
                         )
                         self._lost, self._lease = lease, None
                 return False
-            except Exception:
+            except Exception:  # noqa: BLE001 - logged by _failed_beat: any error of the backend's client
                 self._reset_connections()
                 if last_try:
-                    if self.on_backend_error is not None:
-                        self.on_backend_error()
-                    logger.warning(
-                        "job %s: heartbeat failed; retrying in %gs",
-                        lease.token,
-                        min(self.interval, RETRY_AFTER_FAILURE),
-                        exc_info=True,
-                        extra=lease_fields(lease),
-                    )
-                    with self._cond:
-                        if self._lease is lease:
-                            self._next_beat = time.monotonic() + min(self.interval, RETRY_AFTER_FAILURE)
+                    self._failed_beat(lease)
                 continue
+            self._failing = False
             if aborted_by:
                 self._aborted(lease, aborted_by)
             return True
         return False
+
+    def _failed_beat(self, lease: Lease) -> None:
+        """Tried again soon; only the first failure of a run is a warning (the rest: DEBUG)."""
+        if self.on_backend_error is not None:
+            self.on_backend_error()
+        pause = retry_soon(self.lease_seconds)
+        logger.log(
+            logging.DEBUG if self._failing else logging.WARNING,
+            "job %s: heartbeat failed; retrying in %.2fs",
+            lease.token,
+            pause,
+            exc_info=True,
+            extra=lease_fields(lease),
+        )
+        self._failing = True
+        with self._cond:
+            if self._lease is lease:
+                self._next_beat = time.monotonic() + pause
 
     def _reset_connections(self) -> None:
         """Drop this thread's connections; the main thread keeps its own."""

@@ -40,6 +40,7 @@ from .backends.base import SETTLE_RETRY_PAUSES, Hold, Lease, QueueBackend, retry
 from .current import running_job
 from .envelope import Envelope, check_storable, dumps_payload, storable
 from .exceptions import (
+    MAYBE_SETTLED,
     AbortRequested,
     BackendUnavailable,
     BadSignature,
@@ -707,12 +708,13 @@ class DeliveryPipeline:
                     verdict = _instead_of_requeue(verdict, asked.requested_by, verdict.count_run)
                     outcome = verdict.outcome
                     now = self._tell_backend(lease, verdict, (), retries, batched)
-            except LeaseLost:
+            except LeaseLost as lost:
                 self.metrics.increment("jobs_lease_lost", queue=queue)
                 logger.warning(
-                    "job %s lost: its lease was lost before it could be settled as %s",
+                    "job %s lost: its lease was lost before it could be settled as %s%s",
                     job_id,
                     _verdict_label(verdict),
+                    MAYBE_SETTLED if lost.after_failed_try else "",
                     extra=lease_fields(lease, attempt, Outcome.LEASE_LOST.label),
                 )
                 outcome = Outcome.LEASE_LOST
@@ -826,7 +828,9 @@ class DeliveryPipeline:
         def failed(error: Exception, pause: float) -> None:
             lease = next((a for a in args if isinstance(a, Lease)), None)
             extra = lease_fields(lease) if lease is not None else log_fields(None, None)
-            logger.warning("settle failed; retrying in %gs", pause, exc_info=error, extra=extra)
+            # A try again at once, on fresh connections, is routine (a stale pooled connection).
+            level = logging.WARNING if pause else logging.DEBUG
+            logger.log(level, "settle failed; retrying in %gs", pause, exc_info=error, extra=extra)
             self.metrics.increment("jobs_backend_errors", queue=lease.queue if lease is not None else "*")
             if self.on_backend_error is not None:
                 self.on_backend_error()

@@ -21,10 +21,10 @@ from typing import Protocol
 
 from . import conf
 from .backends import get_backend
-from .backends.base import SETTLE_RETRY_PAUSES, Lease, QueueBackend
+from .backends.base import Lease, QueueBackend
 from .batches import Batches
 from .exceptions import WorkerInterrupted, summary
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, retry_soon
 from .history import Deferred
 from .logfields import queues_fields
 from .metrics import MetricsCollector, get_collector
@@ -159,7 +159,7 @@ class QueueWorker:
             self.metrics,
             maximum=self.prefetch,
             lease_seconds=self.lease_seconds,
-            settle=lambda action, leases: self.pipeline.retrying(action, SETTLE_RETRY_PAUSES, leases),
+            settle=lambda action, leases, pauses: self.pipeline.retrying(action, pauses, leases),
             cancel=self.pipeline.cancel_unstarted,
             requeued=self.pipeline.requeued,
             refused=self.pipeline.requeue_refused,
@@ -386,9 +386,17 @@ class QueueWorker:
             self.backend.reset_connection()
 
     def _outage(self, exc: Exception, failures: int, deadline: float | None) -> None:
-        """The backend is unreachable: keep the worker alive, reconnect and back off."""
-        pause = outage_pause(min(2.0 ** (failures - 1), MAX_OUTAGE_PAUSE), self.lease_seconds)
-        self._log_outage(exc, pause)
+        """The backend is unreachable: keep the worker alive, reconnect and back off; while
+        settles wait (kept by the outage, or a batch's acks and requeues), whose leases lapse
+        unless one gets through, try again soon (:func:`~django_jobs.heartbeat.retry_soon`),
+        logging the 1st, 2nd, 4th, 8th ... try."""
+        if self.pipeline.unsettled or self.batches.unwritten():
+            pause = retry_soon(self.lease_seconds)
+            if failures & (failures - 1) == 0:
+                self._log_outage(exc, pause)
+        else:
+            pause = outage_pause(min(2.0 ** (failures - 1), MAX_OUTAGE_PAUSE), self.lease_seconds)
+            self._log_outage(exc, pause)
         self.backend.close()
         self.backend.reset_connection()
         self._sleep(pause, deadline)
@@ -396,7 +404,7 @@ class QueueWorker:
     def _log_outage(self, exc: Exception, pause: float | None) -> None:
         """One line naming the backend, its server and the error (and the traceback, with
         ``tracebacks``)."""
-        then = "giving up" if pause is None else f"retrying in {pause:g}s"
+        then = "giving up" if pause is None else f"retrying in {pause:.3g}s"
         logger.error(
             "worker: %s failed: %s; %s",
             self.backend.where(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
 
 # ``Lease.result`` of a run whose value is not kept (``None`` is a value: the job returned it).
 NO_RESULT: Any = object()
-# Pauses between tries of a settle that hit a transient backend error (then it gives up).
+# Pauses between tries of a settle that hit a transient backend error (then it gives up), each
+# cut at random to 50 to 100 %.
 # The first retry is at once, on the fresh connection reset_connection() leaves.
 SETTLE_RETRY_PAUSES = (0.0, 1.0, 3.0)
 
@@ -614,21 +616,33 @@ def retrying_settle(
     on_error: Callable[[Exception, float], None],
     pauses: Sequence[float] = SETTLE_RETRY_PAUSES,
 ) -> _R:
-    """``action()``, a settle, tried again after each of ``pauses`` when it raises a backend error
-    (a lock or statement timeout, a brief outage): ``on_error(error, pause)`` logs and counts
-    it, then the calling thread's connections are reset.
+    """``action()``, a settle, tried again after each of ``pauses`` (each cut to 50 to 100 %,
+    at random) when it raises a backend error (a lock or statement timeout, a brief outage):
+    ``on_error(error, pause)`` logs and counts it, then the calling thread's connections are
+    reset.
     ``LeaseLost`` and ``AbortRequested`` are answers, not errors: they pass through at once, as
-    does the last try's error."""
+    does the last try's error. A ``LeaseLost`` after a failed try says so (``after_failed_try``):
+    that try may have been made, its answer lost."""
+    failed = False
     for pause in pauses:
         try:
             return action()
-        except (LeaseLost, AbortRequested):
+        except LeaseLost as lost:
+            lost.after_failed_try = failed
+            raise
+        except AbortRequested:
             raise
         except Exception as exc:  # noqa: BLE001 - any error of the backend's client; the last try raises it
+            failed = True
+            pause = round(pause * random.uniform(0.5, 1.0), 2)  # not in step with an outage that flaps
             on_error(exc, pause)
             backend.reset_connection()
             time.sleep(pause)
-    return action()
+    try:
+        return action()
+    except LeaseLost as lost:
+        lost.after_failed_try = failed
+        raise
 
 
 def decode_lease_body(raw: bytes | str, limit: int | None = None) -> tuple[Envelope | None, InvalidPayload | None]:

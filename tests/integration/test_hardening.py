@@ -385,6 +385,80 @@ def test_a_success_that_ends_in_an_outage_is_acked_once_the_backend_is_back(priv
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("prefetch", [1, 100], ids=["one-at-a-time", "batches"])
+def test_a_lease_outlives_an_outage_that_flaps_in_step_with_its_tries(private_redis, prefetch):
+    """A link to the backend that flapped, down 0.7 s of every second, kept out every try of the
+    worker: its beats and its settle's tries came every second (every third of ``LEASE_TIMEOUT``
+    3 s), each in the down part. Another process's reaper, which met no error, then reaped the
+    live job (a red team: 1 to 3 jobs of 3, in each of 3 runs). A failed beat, batch write or
+    kept settle is now tried again within a quarter second, at random, and gets through."""
+    from django_jobs.models import Job
+    from tests.api_support import jobs_settings, runs
+    from tests.flapping import FlappingProxy
+    from tests.procs import wait_until
+
+    with FlappingProxy((private_redis.host, private_redis.port)) as link:
+        backends = {
+            **settings.JOBS["BACKENDS"],
+            "private": {"ENGINE": "redis", "OPTIONS": {"URL": link.url()}},
+            "direct": {"ENGINE": "redis", "OPTIONS": {"URL": private_redis.url}},
+        }
+        with jobs_settings(BACKENDS=backends, LEASE_TIMEOUT=3):
+            job_id = scripted.using(backend="private", max_retries=0).dispatch(action="sleep", seconds=4.0, key="flap")
+            worker = QueueWorker("private", ["default"], prefetch=prefetch)
+            thread = threading.Thread(target=worker.run, kwargs={"max_time": 15.0})
+            thread.start()
+            reaped = 0
+            try:
+                started = wait_until(lambda: runs("flap") == 1 and time.monotonic(), 10, "the job to start")
+                # Its beats are due 1, 2, 3 s after its start, and it ends after 4 s: each in
+                # the middle of a down part.
+                link.flap(first_down=started + 0.65, period=1.0, down=0.7, until=started + 11.0)
+                for moment in (5.0, 7.0, 9.0, 12.0):
+                    time.sleep(max(started + moment - time.monotonic(), 0))
+                    reaped += Jobs.backend("direct").reap_expired("default")
+            finally:
+                thread.join(20)
+            leftover = Jobs.backend("direct").size("default")
+
+    assert reaped == 0, "a live job's lease lapsed in the flapping outage"
+    assert runs("flap") == 1, "the job ran again"
+    assert not Job.objects.filter(pk=job_id).exists(), Job.objects.get(pk=job_id).last_error
+    assert leftover == 0, "the job is still in the queue"
+    assert not worker.pipeline.unsettled
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_ack_whose_answer_was_lost_is_not_only_said_to_be_reaped(monkeypatch, caplog):
+    """An ack made, its answer lost with a cut connection, then tried again, finds the lease
+    gone. The log said only that the lease was lost (a red team); it now says that the try
+    before may have settled it."""
+    import logging
+
+    from django.db import OperationalError
+
+    job_id = scripted.dispatch(action="ok", key="answer")
+    worker = QueueWorker("default", ["default"], prefetch=1)
+    real_ack, tries = worker.pipeline.ack, []
+
+    def ack(lease: Lease, **kwargs: Any) -> None:
+        tries.append(lease.token)
+        real_ack(lease, **kwargs)
+        if len(tries) == 1:
+            raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(worker.pipeline, "ack", ack)
+    with caplog.at_level(logging.WARNING, logger="django_jobs.worker"):
+        worker.process_once()
+
+    assert tries == [job_id, job_id]
+    assert Job.objects.get(pk=job_id).status == "completed"
+    lost = [r.getMessage() for r in caplog.records if "lease was lost" in r.getMessage()]
+    said = f"job {job_id} lost: its lease was lost before it could be settled as completed"
+    assert lost == [f"{said}; a try before, whose answer was lost, may have settled it"]
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_settle_that_fails_for_another_reason_than_an_outage_is_not_kept(monkeypatch):
     """Only an outage's settle is kept for later: an error that would come back every time (a
     bug, a refused write) would hold the worker, trying it again before every job. The lease is

@@ -46,7 +46,7 @@ def lease(token: str, *, ahead: bool = True, must_begin: bool = False) -> Lease:
 
 
 def batches(heartbeat: RecordingHeartbeat, backend: Any = Any, outcomes: list[Any] | None = None) -> Batches:
-    def settle(action: Callable[[list[Lease]], Settled], leases: list[Lease]) -> Settled:
+    def settle(action: Callable[[list[Lease]], Settled], leases: list[Lease], pauses: tuple[float, ...]) -> Settled:
         return action(leases)
 
     seen = [] if outcomes is None else outcomes

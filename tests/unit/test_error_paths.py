@@ -417,6 +417,46 @@ def test_a_reset_that_raises_is_swallowed_by_the_heartbeat(caplog):
     assert "job gone: heartbeat failed; retrying" in caplog.text
 
 
+def test_a_heartbeat_that_keeps_failing_tries_again_soon_and_warns_once(caplog):
+    """Failed beats are tried again within a quarter second, at random moments (not in step
+    with an outage that flaps); a run of failures is one warning, the rest at debug level."""
+    beat = Heartbeat(ExtendAndResetFail("broken", {}), lease_seconds=60)
+    lease = _lease("flaky")
+    beat.watch(lease)
+    waits = []
+    with caplog.at_level(logging.DEBUG, logger="django_jobs.worker"):
+        for _ in range(20):
+            before = time.monotonic()
+            assert beat._extend(lease) is False
+            waits.append(beat._next_beat - before)
+    assert all(0.1 - 0.01 <= wait <= 0.25 + 0.05 for wait in waits), waits
+    assert len({round(wait, 3) for wait in waits}) > 1, "every try at the same pace"
+    failures = [r for r in caplog.records if "heartbeat failed" in r.getMessage()]
+    assert [r.levelno for r in failures] == [logging.WARNING] + [logging.DEBUG] * 19
+
+
+def test_a_lease_found_lost_on_a_try_after_a_failed_one_may_have_been_settled_by_it():
+    """A cut connection can lose the answer of a settle that was made: the try again then finds
+    the lease gone, and says that the try before may have settled it."""
+    from django_jobs.backends.base import retrying_settle
+
+    answers = iter([ConnectionError("answer lost"), LeaseLost("gone")])
+
+    def settle() -> None:
+        raise next(answers)
+
+    with pytest.raises(LeaseLost) as lost:
+        retrying_settle(SyncBackend("sync", {}), settle, lambda error, pause: None, (0.0,))
+    assert lost.value.after_failed_try
+
+    def gone() -> None:
+        raise LeaseLost("gone")
+
+    with pytest.raises(LeaseLost) as lost:
+        retrying_settle(SyncBackend("sync", {}), gone, lambda error, pause: None, (0.0,))
+    assert not lost.value.after_failed_try
+
+
 def test_a_hard_timeout_whose_settle_hangs_is_logged_and_still_kills(monkeypatch, caplog):
     monkeypatch.setattr(heartbeat, "SETTLE_BEFORE_KILL", 0.1)
     killed = threading.Event()
