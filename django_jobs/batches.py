@@ -26,10 +26,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .backends.base import NO_RESULT, SETTLE_RETRY_PAUSES, Lease, QueueBackend, Requeue, Requeued
-from .exceptions import MAYBE_SETTLED, AbortRequested, LeaseLost
+from .exceptions import MAYBE_SETTLED, AbortRequested, LeaseLost, summary
 from .heartbeat import Heartbeat, retry_soon
 from .history import Deferred
-from .logfields import lease_fields
+from .logfields import debug_traceback, lease_fields
 from .metrics import MetricsCollector
 
 if TYPE_CHECKING:
@@ -268,15 +268,16 @@ class Batches:
 
         try:
             lost, done = self.settle(write, acks, (0.0,) if keep else SETTLE_RETRY_PAUSES)
-        except Exception:
+        except Exception as exc:
             self._failed_writes += 1
             logger.log(
                 logging.DEBUG if keep and self._failed_writes & (self._failed_writes - 1) else logging.ERROR,
-                "could not write the acks of %d completed job(s) and the requeues of %d failed one(s); %s",
+                "could not write the acks of %d completed job(s) and the requeues of %d failed one(s) (%s); %s",
                 len(acks),
                 len(requeues),
+                summary(exc),
                 "trying again" if keep else "they will run again",
-                exc_info=True,
+                exc_info=debug_traceback(logger, exc),
             )
             if keep:
                 self._put_back(acks, requeues)

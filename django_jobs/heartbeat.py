@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .backends.base import Lease, QueueBackend
-from .exceptions import LeaseLost
-from .logfields import lease_fields, log_fields
+from .exceptions import LeaseLost, summary
+from .logfields import debug_traceback, lease_fields, log_fields
 
 logger = logging.getLogger("django_jobs.worker")
 
@@ -81,6 +81,7 @@ class Heartbeat:
         self._next_beat = self._next_check = 0.0
         self._lost: Lease | None = None
         self._failing = False  # the last beat failed: the next failure is logged at debug level
+        self._settling = False  # the watched lease's settle is under way
         self._deadline: float | None = None
         self._on_deadline: Callable[[], None] | None = None
         self._timer: tuple[float, Callable[[], None]] | None = None
@@ -116,6 +117,13 @@ class Heartbeat:
         with self._lock:
             self._lease, self._keep_alive, self._on_abort = lease, keep_alive, on_abort
             self._next_beat, self._next_check = now + self.interval, now + ABORT_CHECK
+            self._settling = False
+
+    def settling(self) -> None:
+        """The watched run is over and its settle under way: it is still beaten (the settle may
+        take its retries), but a beat that finds the lease gone may have come after the settle
+        itself, whose answer is on its way. The settle says whether the lease was lost."""
+        self._settling = True
 
     def arm(self, deadline: float, on_deadline: Callable[[], None], *, earliest: bool = False) -> None:
         """Hard time limit of the running attempt: at ``deadline`` (a ``time.monotonic()``
@@ -251,18 +259,20 @@ class Heartbeat:
                 aborted_by = self.backend.extend(lease, self.lease_seconds)
             except LeaseLost:
                 with self._cond:
-                    if self._lease is lease:  # not a late beat of a job already settled
+                    if self._lease is lease and not self._settling:  # not a late beat of a job settled
                         logger.warning(
                             "job %s: lease lost while running (reaped after a stall?)",
                             lease.token,
                             extra=lease_fields(lease, outcome="lost"),
                         )
-                        self._lost, self._lease = lease, None
+                        self._lost = lease
+                    if self._lease is lease:
+                        self._lease = None
                 return False
-            except Exception:  # noqa: BLE001 - logged by _failed_beat: any error of the backend's client
+            except Exception as exc:  # noqa: BLE001 - logged by _failed_beat: any error of the backend's client
                 self._reset_connections()
                 if last_try:
-                    self._failed_beat(lease)
+                    self._failed_beat(lease, exc)
                 continue
             self._failing = False
             if aborted_by:
@@ -270,17 +280,18 @@ class Heartbeat:
             return True
         return False
 
-    def _failed_beat(self, lease: Lease) -> None:
+    def _failed_beat(self, lease: Lease, error: Exception) -> None:
         """Tried again soon; only the first failure of a run is a warning (the rest: DEBUG)."""
         if self.on_backend_error is not None:
             self.on_backend_error()
         pause = retry_soon(self.lease_seconds)
         logger.log(
             logging.DEBUG if self._failing else logging.WARNING,
-            "job %s: heartbeat failed; retrying in %.2fs",
+            "job %s: heartbeat failed (%s); retrying in %.2fs",
             lease.token,
+            summary(error),
             pause,
-            exc_info=True,
+            exc_info=debug_traceback(logger, error),
             extra=lease_fields(lease),
         )
         self._failing = True

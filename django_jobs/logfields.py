@@ -9,6 +9,7 @@ the worker's, so every part of it can use it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,3 +41,10 @@ def queues_fields(queues: Sequence[str]) -> dict[str, Any]:
     """:func:`log_fields` of a record about a worker or reaper rather than one job: no job,
     and the queue only when it serves exactly one."""
     return log_fields(None, queues[0] if len(queues) == 1 else None)
+
+
+def debug_traceback(logger: logging.Logger, error: BaseException) -> BaseException | None:
+    """What to pass as ``exc_info`` for an error a log line names already (``summary``): its
+    traceback too only where ``logger`` shows DEBUG, so a flapping backend logs one line per
+    failure, not a traceback."""
+    return error if logger.isEnabledFor(logging.DEBUG) else None

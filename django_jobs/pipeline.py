@@ -52,13 +52,14 @@ from .exceptions import (
     LeaseLost,
     LimitsNotSupported,
     WorkerInterrupted,
+    summary,
 )
 from .heartbeat import Heartbeat
 from .idempotency import Claim, IdempotencyGuard
 from .ids import seconds_of
 from .limits import Limit, describe, limits_for
 from .locks import CacheLock
-from .logfields import lease_fields, log_fields
+from .logfields import debug_traceback, lease_fields, log_fields
 from .metrics import MetricsCollector, get_collector
 from .models import AttemptOutcome
 from .retry import has_retries_left, may_run, policy_for
@@ -338,6 +339,7 @@ class DeliveryPipeline:
         # (:meth:`settle_unsettled`): kept only while the run loop sets ``keep_unsettled``.
         self.keep_unsettled = False
         self.unsettled: deque[tuple[Lease, Verdict]] = deque()
+        self._settling_unsettled = False  # a kept settle that fails again is logged at DEBUG
 
     # -- the pipeline --
 
@@ -357,6 +359,8 @@ class DeliveryPipeline:
                 verdict = (
                     self._not_started(delivery, exc) if delivery.started_at is None else self._broken(delivery, exc)
                 )
+            if self.heartbeat is not None:
+                self.heartbeat.settling()
             return self.settle(lease, verdict, on_success=delivery.on_success)
         finally:
             if self.heartbeat is not None:
@@ -756,7 +760,8 @@ class DeliveryPipeline:
         if not isinstance(self.backend.dispatch_error(error), BackendUnavailable):
             return
         self.unsettled.append((lease, verdict))
-        logger.error(
+        logger.log(
+            logging.DEBUG if self._settling_unsettled else logging.ERROR,  # the 1st failure says it
             "job %s: could not settle it as %s; trying again once the backend answers",
             lease.envelope.id if lease.envelope is not None else lease.token,
             _verdict_label(verdict),
@@ -766,9 +771,13 @@ class DeliveryPipeline:
     def settle_unsettled(self) -> None:
         """Settle what an outage kept from the backend, oldest first, one try each: a backend
         error keeps the rest, and is raised (the run loop waits for the backend)."""
-        while self.unsettled:
-            lease, verdict = self.unsettled.popleft()
-            self.settle(lease, verdict, retries=(), batched=False)
+        self._settling_unsettled = True
+        try:
+            while self.unsettled:
+                lease, verdict = self.unsettled.popleft()
+                self.settle(lease, verdict, retries=(), batched=False)
+        finally:
+            self._settling_unsettled = False
 
     def _tell_backend(
         self,
@@ -830,7 +839,14 @@ class DeliveryPipeline:
             extra = lease_fields(lease) if lease is not None else log_fields(None, None)
             # A try again at once, on fresh connections, is routine (a stale pooled connection).
             level = logging.WARNING if pause else logging.DEBUG
-            logger.log(level, "settle failed; retrying in %gs", pause, exc_info=error, extra=extra)
+            logger.log(
+                level,
+                "settle failed (%s); retrying in %gs",
+                summary(error),
+                pause,
+                exc_info=debug_traceback(logger, error),
+                extra=extra,
+            )
             self.metrics.increment("jobs_backend_errors", queue=lease.queue if lease is not None else "*")
             if self.on_backend_error is not None:
                 self.on_backend_error()

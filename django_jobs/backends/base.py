@@ -177,6 +177,8 @@ class QueueBackend(ABC):
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         self.name = name
         self.options = options
+        # The queue and owner token of a one-job claim whose answer was lost (see claim_one).
+        self._unanswered: tuple[str, str] | None = None
 
     def dispatch_error(self, exc: Exception) -> JobsError | None:
         """The error a dispatch raises, chained, for ``exc``, raised by the client:
@@ -479,13 +481,32 @@ class QueueBackend(ABC):
         asked to abort is not handed back: ``AbortRequested``, as from :meth:`nack`."""
         self.nack(lease, 0, count_run=False)
 
-    def lose_claims(self, queue: str, owner_token: str, counted: Sequence[str]) -> None:
+    def lose_claims(self, queue: str, owner_token: str, counted: Sequence[str], *, unrun: bool = False) -> None:
         """The worker that claimed jobs of ``queue`` under ``owner_token`` died, as its
         supervisor saw: every lease of that claim expires now, so the next ``reap_expired``
         recovers them at once, and the leases ``counted`` (the job it had in hand, and its
         failed runs whose requeues were not written yet) are no longer claimed ahead, so the
-        loss of each counts as a run. Brokers that expire leases themselves (``native_lease``)
-        have nothing to do."""
+        loss of each counts as a run. ``unrun``: no handler saw any job of that claim (its
+        answer was lost, :meth:`claim_one`): each is claimed ahead instead, and goes back
+        uncounted. Brokers that expire leases themselves (``native_lease``) have nothing to do."""
+
+    def claim_one(self, queue: str, owner_token: str, claim: Callable[[], _R]) -> _R:
+        """``claim()``: a call that claims one job of ``queue`` under ``owner_token``, to run at
+        once (not ahead). Were its answer lost (it raised a backend error after the claim may
+        have been made), the reaper would count a lost run of that job, which no handler saw:
+        the next call first hands such a claim over to the reaper as unrun (:meth:`lose_claims`),
+        and it goes back uncounted."""
+        if self._unanswered is not None:
+            unanswered_queue, unanswered_owner = self._unanswered
+            self.lose_claims(unanswered_queue, unanswered_owner, (), unrun=True)
+            self._unanswered = None
+        try:
+            return claim()
+        except LeaseLost:  # an ack that came with the claim found its lease lost: nothing claimed
+            raise
+        except Exception:
+            self._unanswered = (queue, owner_token)
+            raise
 
     def purge_failed(self, queue: str, older_than: timedelta | None = None) -> int:
         """Forget failed messages kept by the broker itself (``jobs_purge --status failed``).

@@ -422,9 +422,9 @@ class DatabaseBackend(LimitedBackend):
         now, owner, expires = _new_lease()
         vendor = self._conn.vendor
         if vendor in ("postgresql", "sqlite"):
-            row = self._claim_returning(queue, owner, now, expires, vendor)
+            row = self.claim_one(queue, owner, lambda: self._claim_returning(queue, owner, now, expires, vendor))
         else:
-            row = self._claim_orm(queue, owner, now, expires)
+            row = self.claim_one(queue, owner, lambda: self._claim_orm(queue, owner, now, expires))
         return self._leased(row, owner, expires, queue)
 
     def ack_and_fetch(self, lease: Lease, queue: str) -> Lease | None:
@@ -448,8 +448,12 @@ class DatabaseBackend(LimitedBackend):
             f"SELECT (SELECT count(*) FROM done), next.* FROM (SELECT 1) AS one LEFT JOIN next ON TRUE"
         )
         claim = self._claim_params(queue, owner, now, expires)
-        _, reply = self._execute_queue(
-            sql, [*params, self._adapt(now), lease.token, lease.owner_token, *claim], prepare=True
+        _, reply = self.claim_one(
+            queue,
+            owner,
+            lambda: self._execute_queue(
+                sql, [*params, self._adapt(now), lease.token, lease.owner_token, *claim], prepare=True
+            ),
         )
         if not reply[0]:  # lost, or some job waits for it: then acked on the transactional path
             self._finish(lease, done, params, "completed")
@@ -867,11 +871,12 @@ class DatabaseBackend(LimitedBackend):
             dependencies.record(resolution, self.alias)
         return done
 
-    def lose_claims(self, queue: str, owner_token: str, counted: Sequence[str]) -> None:
+    def lose_claims(self, queue: str, owner_token: str, counted: Sequence[str], *, unrun: bool = False) -> None:
         # The in-progress rows are few, and the lease index holds only them.
         tokens = list(counted) or [""]
+        unrun_ahead = f"WHEN claimed_ahead = {ClaimedAhead.NO} THEN {ClaimedAhead.YES} " if unrun else ""
         self._execute_queue(
-            f"UPDATE {TABLE} SET leased_until = %s, claimed_ahead = CASE WHEN id IN "
+            f"UPDATE {TABLE} SET leased_until = %s, claimed_ahead = CASE {unrun_ahead}WHEN id IN "
             f"({', '.join(['%s'] * len(tokens))}) THEN 0 ELSE claimed_ahead END "
             f"WHERE status = 'in_progress' AND queue = %s AND owner_token = %s",
             [self._adapt(timezone.now() - timedelta(seconds=1)), *tokens, queue, owner_token],

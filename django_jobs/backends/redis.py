@@ -343,14 +343,16 @@ class RedisBackend(LimitedBackend):
 
     def fetch(self, queue: str) -> Lease | None:
         owner, now, deadline = self._new_lease()
-        job_id, body = self._run("fetch", queue, now, deadline, owner)
+        job_id, body = self.claim_one(queue, owner, lambda: self._run("fetch", queue, now, deadline, owner))
         return self._leased(queue, job_id, body, owner, _from_ms(deadline))
 
     def ack_and_fetch(self, lease: Lease, queue: str) -> Lease | None:
         if queue != lease.queue:  # one script touches one queue's keys (one cluster slot)
             return super().ack_and_fetch(lease, queue)
         owner, now, deadline = self._new_lease()
-        reply = self._run("ack_fetch", queue, lease.token, lease.owner_token, now, deadline, owner)
+        reply = self.claim_one(
+            queue, owner, lambda: self._run("ack_fetch", queue, lease.token, lease.owner_token, now, deadline, owner)
+        )
         if not reply[0]:
             raise LeaseLost(f"job {lease.token} is no longer leased by this worker")
         if reply[0] == HAS_DEPENDENTS:
@@ -586,8 +588,8 @@ class RedisBackend(LimitedBackend):
                 return LiveJob("in_progress" if leased is not None else "pending", envelope)
         return None
 
-    def lose_claims(self, queue: str, owner_token: str, counted: Sequence[str]) -> None:
-        self._run("lose", queue, owner_token, _ms(), json.dumps(list(counted)))
+    def lose_claims(self, queue: str, owner_token: str, counted: Sequence[str], *, unrun: bool = False) -> None:
+        self._run("lose", queue, owner_token, _ms(), json.dumps(list(counted)), int(unrun))
 
     def extend(self, lease: Lease, seconds: float) -> str | None:
         return self._prolong(lease, seconds, begin=False)
