@@ -97,6 +97,9 @@ class Batches:
         self._begun: dict[int, Lease] = {}
         self._watch_due: float | None = None  # when the ``_watch`` scheduled on the heartbeat runs
         self._failed_writes = 0  # in a row: while the run goes on, the 1st, 2nd, 4th ... is logged
+        # Acks and requeues (by ``id`` of their lease) of a write that failed: it may have been
+        # made, its answer lost, so a later write that finds the lease gone says so.
+        self._tried: set[int] = set()
         self._lock = threading.Lock()
         # One write of the batch at a time: the next claim waits for the heartbeat's write of the
         # requeues it took, so the supervisor never hears of a new claim while runs of the last
@@ -285,8 +288,10 @@ class Batches:
                 self._told_written(acks, requeues)
             return False
         self._failed_writes = 0
-        self._count_lost(lost, retried=tries > 1)
-        self._written(acks, requeues, done, retried=tries > 1)
+        if tries > 1:
+            self._mark_tried(acks, requeues)
+        self._count_lost(lost)
+        self._written(acks, requeues, done)
         return True
 
     def hand_back(self) -> None:
@@ -357,28 +362,27 @@ class Batches:
         self.history.write()
 
     def _put_back(self, acks: list[Lease], requeues: list[tuple[Requeue, Verdict]]) -> None:
+        """After a failed write: back for the next one (marked as tried)."""
         if acks or requeues:
+            self._mark_tried(acks, requeues)
             with self._lock:
                 self._acks[:0] = acks
                 self._requeues[:0] = requeues
 
-    def _written(
-        self,
-        acks: list[Lease],
-        requeues: list[tuple[Requeue, Verdict]],
-        done: list[Requeued],
-        *,
-        retried: bool = False,
-    ) -> None:
-        """A batch wrote ``acks`` and ``requeues`` (``retried``: on a try after a backend error):
-        what became of each requeue (counted and recorded, lost, or refused)."""
+    def _mark_tried(self, acks: list[Lease], requeues: list[tuple[Requeue, Verdict]]) -> None:
+        self._tried.update(id(lease) for lease in acks)
+        self._tried.update(id(requeue.lease) for requeue, _ in requeues)
+
+    def _written(self, acks: list[Lease], requeues: list[tuple[Requeue, Verdict]], done: list[Requeued]) -> None:
+        """A batch wrote ``acks`` and ``requeues``: what became of each requeue (counted and
+        recorded, lost, or refused)."""
         requeued = []
         for (requeue, verdict), outcome in zip(requeues, done, strict=True):
             lease = requeue.lease
             if outcome is True:
                 requeued.append((lease, verdict))
             elif outcome is False:
-                self._count_lost([lease], "requeue", retried=retried)
+                self._count_lost([lease], "requeue")
             else:
                 self.refused(lease, verdict, outcome)
         if requeued:
@@ -386,18 +390,19 @@ class Batches:
         self._told_written(acks, requeues)
 
     def _told_written(self, acks: list[Lease], requeues: list[tuple[Requeue, Verdict]]) -> None:
+        if self._tried:
+            self._tried.difference_update(id(lease) for lease in acks)
+            self._tried.difference_update(id(requeue.lease) for requeue, _ in requeues)
         if (acks or requeues) and self.supervisor is not None:
             self.supervisor.written([*acks, *(requeue.lease for requeue, _ in requeues)])
 
-    def _count_lost(self, lost: list[Lease], what: str = "ack", *, retried: bool = False) -> None:
-        """``retried``: found by a write tried again after a backend error (the try before may
-        have been made, its answer lost)."""
+    def _count_lost(self, lost: list[Lease], what: str = "ack") -> None:
         for lease in lost:
             self.metrics.increment("jobs_lease_lost", queue=lease.queue)
             logger.warning(
                 "job %s: lease lost before its %s was written (reaped; it may run again)%s",
                 lease.token,
                 what,
-                MAYBE_SETTLED if retried else "",
+                MAYBE_SETTLED if id(lease) in self._tried else "",
                 extra=lease_fields(lease, outcome="lost"),
             )
