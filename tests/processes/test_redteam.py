@@ -184,12 +184,22 @@ def test_redteam_queue_name_with_a_unit_separator_keeps_the_supervisors_count(ba
 
 
 def _worker_processes(supervisor: int) -> list[int]:
-    """The pids of the processes ``supervisor`` forked (Linux)."""
+    """The pids of the live processes ``supervisor`` forked (Linux): not a killed one that it has
+    not waited for yet (a zombie is still listed among its children)."""
     try:
         with open(f"/proc/{supervisor}/task/{supervisor}/children") as f:
-            return [int(pid) for pid in f.read().split()]
+            pids = [int(pid) for pid in f.read().split()]
     except FileNotFoundError:
         return []
+    return [pid for pid in pids if _state(pid) not in ("Z", None)]
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
 
 
 @pytest.mark.slow
@@ -225,7 +235,8 @@ def test_redteam_fast_failures_of_three_processes_killed_in_turn_each_counted_on
         for victim in range(4):
             wait_until(lambda: len(_worker_processes(worker.pid)) == 3, 10, "three worker processes")
             time.sleep(0.2)  # let the new process fail a few jobs
-            os.kill(_worker_processes(worker.pid)[victim % 3], signal.SIGKILL)
+            alive = wait_until(lambda: _worker_processes(worker.pid), 10, "a worker process")
+            os.kill(alive[victim % len(alive)], signal.SIGKILL)
         wait_until(lambda: jobs.filter(id__in=ids, status=JobStatus.FAILED).count() == len(ids), 240, "all failed")
         assert worker.stop() == 0, worker.output()
     runs = Counter(SideEffect.objects.using(alias).filter(key__in=keys).values_list("key", flat=True))
