@@ -29,7 +29,7 @@ from .backends.base import NO_RESULT, SETTLE_RETRY_PAUSES, Lease, QueueBackend, 
 from .exceptions import MAYBE_SETTLED, AbortRequested, LeaseLost, summary
 from .heartbeat import Heartbeat, retry_soon
 from .history import Deferred
-from .logfields import debug_traceback, lease_fields
+from .logfields import debug_traceback, lease_fields, logged_try
 from .metrics import MetricsCollector
 
 if TYPE_CHECKING:
@@ -262,19 +262,20 @@ class Batches:
         self._write_history()  # the requeues' rows, before the retries are claimable
         if not acks and not begun and not requeues:
             return True
-        tries = 0
 
         def write(leases: list[Lease]) -> Settled:
-            nonlocal tries
-            tries += 1
-            return self.backend.settle_many(leases, begun, [requeue for requeue, _ in requeues])
+            try:
+                return self.backend.settle_many(leases, begun, [requeue for requeue, _ in requeues])
+            except Exception:  # the try again, if any, may find what this one wrote
+                self._mark_tried(acks, requeues)
+                raise
 
         try:
             lost, done = self.settle(write, acks, (0.0,) if keep else SETTLE_RETRY_PAUSES)
         except Exception as exc:
             self._failed_writes += 1
             logger.log(
-                logging.DEBUG if keep and self._failed_writes & (self._failed_writes - 1) else logging.ERROR,
+                logging.ERROR if not keep or logged_try(self._failed_writes) else logging.DEBUG,
                 "could not write the acks of %d completed job(s) and the requeues of %d failed one(s) (%s); %s",
                 len(acks),
                 len(requeues),
@@ -288,8 +289,6 @@ class Batches:
                 self._told_written(acks, requeues)
             return False
         self._failed_writes = 0
-        if tries > 1:
-            self._mark_tried(acks, requeues)
         self._count_lost(lost)
         self._written(acks, requeues, done)
         return True

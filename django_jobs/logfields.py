@@ -48,3 +48,9 @@ def debug_traceback(logger: logging.Logger, error: BaseException) -> BaseExcepti
     traceback too only where ``logger`` shows DEBUG, so a flapping backend logs one line per
     failure, not a traceback."""
     return error if logger.isEnabledFor(logging.DEBUG) else None
+
+
+def logged_try(failures: int) -> bool:
+    """Of a run of failed tries that come soon after each other, log the 1st, 2nd, 4th, 8th ...:
+    a few lines, however long the outage."""
+    return failures & (failures - 1) == 0

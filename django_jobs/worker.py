@@ -26,7 +26,7 @@ from .batches import Batches
 from .exceptions import WorkerInterrupted, summary
 from .heartbeat import Heartbeat, retry_soon
 from .history import Deferred
-from .logfields import queues_fields
+from .logfields import logged_try, queues_fields
 from .metrics import MetricsCollector, get_collector
 from .pipeline import (
     INTERRUPTED,
@@ -392,7 +392,7 @@ class QueueWorker:
         logging the 1st, 2nd, 4th, 8th ... try."""
         if self.pipeline.unsettled or self.batches.unwritten():
             pause = retry_soon(self.lease_seconds)
-            if failures & (failures - 1) == 0:
+            if logged_try(failures):
                 self._log_outage(exc, pause)
         else:
             pause = outage_pause(min(2.0 ** (failures - 1), MAX_OUTAGE_PAUSE), self.lease_seconds)

@@ -645,21 +645,18 @@ def retrying_settle(
     does the last try's error. A ``LeaseLost`` after a failed try says so (``after_failed_try``):
     that try may have been made, its answer lost."""
     failed = False
-    for pause in pauses:
-        try:
-            return action()
-        except LeaseLost as lost:
-            lost.after_failed_try = failed
-            raise
-        except AbortRequested:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any error of the backend's client; the last try raises it
-            failed = True
-            pause = round(pause * random.uniform(0.5, 1.0), 2)  # not in step with an outage that flaps
-            on_error(exc, pause)
-            backend.reset_connection()
-            time.sleep(pause)
     try:
+        for pause in pauses:
+            try:
+                return action()
+            except (LeaseLost, AbortRequested):
+                raise
+            except Exception as exc:  # noqa: BLE001 - any error of the backend's client; the last try raises it
+                failed = True
+                pause = round(pause * random.uniform(0.5, 1.0), 2)  # not in step with an outage that flaps
+                on_error(exc, pause)
+                backend.reset_connection()
+                time.sleep(pause)
         return action()
     except LeaseLost as lost:
         lost.after_failed_try = failed
